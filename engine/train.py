@@ -1,0 +1,59 @@
+"""Entry point: ``python -m engine.train --job.config_file X.toml [--section.key value ...]``.
+
+``run_train.sh`` launches this under torchrun. Configuration and set-up errors (bad settings,
+mismatched sizes, missing files) are printed as one line per rank and exit with status 2 before any
+heavy work; a diverged loss exits with status 1. Set ``QUADRA_TRACEBACK=1`` to see full tracebacks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+logger = logging.getLogger("quadra")
+
+
+def _fail(rank: int, kind: str, error: BaseException, code: int) -> int:
+    if os.environ.get("QUADRA_TRACEBACK"):
+        logger.exception("%s", kind)
+    print(f"[rank{rank}] {kind}: {error}", file=sys.stderr, flush=True)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the config, build the trainer, train; returns the process exit status."""
+    from engine.config import ConfigError, load_config
+
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        cfg = load_config(argv)
+        cfg.validate()
+    except ConfigError as error:
+        return _fail(rank, "config error", error, 2)
+
+    from engine.distributed import shutdown_distributed
+    from engine.metrics import init_logging
+    from engine.trainer import Trainer, TrainingDivergedError
+
+    init_logging(rank)
+    try:
+        try:
+            trainer = Trainer(cfg)
+        except (ValueError, FileNotFoundError) as error:
+            return _fail(rank, "set-up error", error, 2)
+        try:
+            trainer.train()
+        except TrainingDivergedError as error:
+            return _fail(rank, "training stopped", error, 1)
+        finally:
+            trainer.close()
+        if rank == 0:
+            logger.info("training finished after %d steps; run folder: %s", trainer.step, trainer.run_folder)
+        return 0
+    finally:
+        shutdown_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

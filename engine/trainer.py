@@ -1,0 +1,269 @@
+"""The training loop: one code path for every layout.
+
+The loss of a step is the token-sum cross entropy over every microbatch on every data-parallel rank,
+divided by the number of label tokens in the whole step (Σ_ranks Σ_microbatches tokens). Each rank
+back-propagates its share ``loss_sum_local / global_tokens`` and data parallel *sums* gradients, so
+the gradient equals the single-process gradient of the same global batch, independent of the number
+of ranks and of gradient accumulation (DESIGN.md rule 7; SEED.md §5's ḡ = (1/W)·Σ gᵢ generalized to
+uneven token counts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from engine.config import JobConfig, config_to_toml
+from engine.data import build_dataloader, build_validation_dataloader
+from engine.distributed import init_distributed
+from engine.lr_scheduler import build_lr_scheduler
+from engine.metrics import MetricsLogger
+from engine.model_builder import build_meta_model, materialize, resolve_model_args
+from engine.optimizer import build_optimizer
+from engine.tokenizer import Tokenizer
+from parallelisms.grad_norm import clip_grad_norm_
+from parallelisms.parallel_dims import ParallelDims
+
+logger = logging.getLogger("quadra")
+
+IGNORE_INDEX = -100
+
+
+class TrainingDivergedError(RuntimeError):
+    """The loss became NaN or Inf; raised on every rank at the same step."""
+
+
+class Trainer:
+    """Builds everything from a validated :class:`JobConfig`, then trains ``training.steps`` steps.
+
+    Attributes used by callers and tests: ``step`` (completed optimizer steps), ``model_parts``
+    (list of modules; one without pipeline parallel), ``history`` (per-step dicts with loss and
+    grad_norm), ``parallel_dims``, ``dist``.
+
+    Raises (from ``__init__``, on every rank, before the model is allocated):
+        ValueError and subclasses: bad degrees, tokenizer/model mismatch, seq_len too long,
+        missing or empty dataset, batch sizes that do not divide.
+    """
+
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        self.run_folder = cfg.run_folder
+        self.dist = init_distributed(cfg.job.device, cfg.comm.backend, cfg.comm.init_timeout_seconds)
+        self.device = self.dist.device
+        self.parallel_dims = ParallelDims.from_config(cfg.parallelism, self.dist.world_size)
+        tokenizer = Tokenizer(cfg.model.tokenizer_path)
+        self.model_spec, self.model_args = resolve_model_args(
+            cfg.model, seq_len=cfg.training.seq_len, tokenizer_vocab_size=tokenizer.vocab_size
+        )
+        if self.dist.is_distributed:
+            self.parallel_dims.build_mesh(self.device.type)
+        self.dp_rank = self._dp_rank()
+        self._build_data(tokenizer)
+        self.model_parts = self._build_model()
+        self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
+        self.step = 0
+        self.history: list[dict] = []
+        self.metrics = self._build_metrics()
+
+    # ------------------------------------------------------------------ building
+    def _dp_rank(self) -> int:
+        return self.parallel_dims.mesh("dp").get_local_rank() if self.dist.is_distributed else 0
+
+    def _build_data(self, tokenizer: Tokenizer) -> None:
+        t = self.cfg.training
+        self.dataloader = build_dataloader(
+            self.cfg.data,
+            tokenizer,
+            seq_len=t.seq_len,
+            local_batch_size=t.local_batch_size,
+            global_batch_size=t.global_batch_size,
+            dp_rank=self.dp_rank,
+            dp_degree=self.parallel_dims.dp,
+            seed=t.seed,
+        )
+        self.grad_accum_steps = self.dataloader.grad_accum_steps
+        self.tokenizer = tokenizer
+
+    def _build_model(self) -> list[torch.nn.Module]:
+        cfg = self.cfg
+        torch.manual_seed(cfg.training.seed)
+        if cfg.training.deterministic:
+            torch.use_deterministic_algorithms(True)
+        model = build_meta_model(self.model_spec, self.model_args)
+        self.nparams, self.flops_per_token = self.model_args.get_nparams_and_flops(model, cfg.training.seq_len)
+        self.model_spec.parallelize_fn(
+            model,
+            self.parallel_dims,
+            parallelism_cfg=cfg.parallelism,
+            training_cfg=cfg.training,
+            ac_cfg=cfg.activation_checkpoint,
+            compile_cfg=cfg.compile,
+            backend=self.dist.backend,
+        )
+        materialize(model, self.device, cfg.training.seed)
+        return [model]
+
+    def _build_metrics(self) -> MetricsLogger:
+        is_logging_rank = self.dist.rank == 0
+        if is_logging_rank:
+            os.makedirs(self.run_folder, exist_ok=True)
+            with open(os.path.join(self.run_folder, "config.toml"), "w") as f:
+                f.write(config_to_toml(self.cfg))
+            if self.cfg.job.print_config:
+                logger.info("config:\n%s", config_to_toml(self.cfg))
+            logger.info(
+                "model %s/%s: %s parameters, %.3g training FLOPs per token; world_size %d %s",
+                self.cfg.model.name, self.cfg.model.flavor, f"{self.nparams:,}", self.flops_per_token,
+                self.dist.world_size, self.parallel_dims,
+            )
+        return MetricsLogger(
+            self.cfg.metrics,
+            self.run_folder,
+            rank=self.dist.rank,
+            is_logging_rank=is_logging_rank,
+            device=self.device,
+            flops_per_token=self.flops_per_token,
+            training_steps=self.cfg.training.steps,
+        )
+
+    # ------------------------------------------------------------------ collectives
+    def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum a tensor over the loss-reduction mesh (dp × cp); identity on one process."""
+        if self.dist.is_distributed:
+            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.parallel_dims.mesh("dp_cp").get_group())
+        return value
+
+    def _autocast(self):
+        """bf16 autocast when mixed precision is asked for and no FSDP/DDP policy applies it."""
+        wrapped = self.parallel_dims.fsdp_enabled or self.parallel_dims.ddp_enabled
+        if self.cfg.training.mixed_precision_param == "bfloat16" and not wrapped:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ one step
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one microbatch.
+
+        Args:
+            inputs, labels: LongTensor[local_batch_size, seq_len].
+            global_tokens: number of label tokens in the whole step (all dp ranks, all microbatches).
+
+        Returns:
+            This microbatch's contribution to the step loss (detached): token-sum CE / global_tokens.
+        """
+        model = self.model_parts[0]
+        with self._autocast():
+            logits = model(inputs)
+        loss_sum = F.cross_entropy(
+            logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
+        )
+        loss = loss_sum / global_tokens
+        del logits
+        loss.backward()
+        return loss.detach()
+
+    def train_step(self) -> dict:
+        """One optimizer step over ``grad_accum_steps`` microbatches; returns loss and grad_norm."""
+        data_start = time.perf_counter()
+        microbatches = [
+            tuple(t.to(self.device, non_blocking=True) for t in self.dataloader.next_batch())
+            for _ in range(self.grad_accum_steps)
+        ]
+        data_seconds = time.perf_counter() - data_start
+        local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches)
+        global_tokens = self._dp_sum(torch.tensor(float(local_tokens), device=self.device))
+
+        loss = torch.zeros((), device=self.device)
+        for inputs, labels in microbatches:
+            loss += self.forward_backward(inputs, labels, global_tokens)
+        params = [p for part in self.model_parts for p in part.parameters()]
+        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm)
+        lr = self.lr_scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+
+        loss = self._dp_sum(loss).item()
+        grad_norm = grad_norm.item()
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            raise TrainingDivergedError(
+                f"loss is {loss} (grad_norm {grad_norm}) at step {self.step}: training diverged. Lower "
+                "optimizer.lr, raise lr_scheduler.warmup_steps, or set training.max_norm to clip gradients."
+            )
+        return {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens": local_tokens,
+            "global_tokens": int(global_tokens.item()),
+            "data_seconds": data_seconds,
+            "epoch": self.dataloader.epoch,
+        }
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def validate(self) -> float:
+        """Mean token loss (nats) over ``validation.steps`` batches of the validation split."""
+        v = self.cfg.validation
+        loader = build_validation_dataloader(
+            v,
+            self.cfg.data,
+            self.tokenizer,
+            seq_len=self.cfg.training.seq_len,
+            local_batch_size=self.cfg.training.local_batch_size,
+            dp_rank=self.dp_rank,
+            dp_degree=self.parallel_dims.dp,
+        )
+        model = self.model_parts[0]
+        model.eval()
+        totals = torch.zeros(2, device=self.device, dtype=torch.float64)
+        for inputs, labels in loader:
+            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            with self._autocast():
+                logits = model(inputs)
+            totals[0] += F.cross_entropy(
+                logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
+            ).double()
+            totals[1] += (labels != IGNORE_INDEX).sum()
+        model.train()
+        self._dp_sum(totals)
+        return float(totals[0] / totals[1].clamp_min(1))
+
+    # ------------------------------------------------------------------ the loop
+    def train(self, steps: int | None = None) -> list[dict]:
+        """Run until ``training.steps`` (or ``steps`` more steps); returns the per-step history."""
+        last = self.cfg.training.steps if steps is None else self.step + steps
+        gc_freq = self.cfg.training.gc_freq
+        if gc_freq > 0:
+            gc.disable()  # collect at fixed steps so ranks do not stall each other at random times
+        try:
+            while self.step < last:
+                start = time.perf_counter()
+                record = self.train_step()
+                record["step_seconds"] = time.perf_counter() - start
+                record["step"] = self.step
+                self.history.append(record)
+                self.metrics.log_step(self.step, record)
+                if gc_freq > 0 and self.step % gc_freq == 0:
+                    gc.collect(1)
+                v = self.cfg.validation
+                if v.enable and (self.step % v.freq == 0 or self.step == last):
+                    val_loss = self.validate()
+                    self.metrics.log_validation(self.step, val_loss)
+        finally:
+            if gc_freq > 0:
+                gc.enable()
+        return self.history
+
+    def close(self) -> None:
+        self.metrics.close()

@@ -1,0 +1,192 @@
+"""Parallelism degrees, their validation, and the DeviceMesh built from them.
+
+The world is one 5-D mesh ``pp × dp_replicate × dp_shard × cp × tp`` (outermost first, so that the
+innermost, most communication-hungry dimension, tp, lands on ranks that share a node). Size-1
+dimensions are kept, so every named sub-mesh always exists and code never branches on the shape.
+Flattened sub-meshes are named by use (DESIGN.md rule 3):
+
+- ``dp``          = dp_replicate × dp_shard      — data loading: ranks that read different samples
+- ``dp_shard_cp`` = dp_shard × cp                — parameter sharding (FSDP)
+- ``dp_cp``       = dp_replicate × dp_shard × cp — loss / token-count reduction
+
+Expert parallel (``ep``) is carved out of dp_shard × cp × tp and gets its mesh when the MoE issue
+lands.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+# Degrees whose parallelism is not wired into the trainer yet. Each later issue removes its entry.
+_NOT_SUPPORTED_YET = {
+    "tp": "tensor parallel",
+    "pp": "pipeline parallel",
+    "cp": "context parallel",
+    "ep": "expert parallel",
+}
+
+
+class ParallelismError(ValueError):
+    """A ``[parallelism]`` setting that cannot work with this world size or this build."""
+
+
+@dataclass
+class ParallelDims:
+    """Validated parallelism degrees for ``world_size`` ranks.
+
+    Args:
+        dp_replicate: replicas that each hold a full copy of the (dp_shard-sharded) model (DDP / HSDP).
+        dp_shard: ranks that shard parameters, gradients and optimizer state (FSDP2); -1 = the rest
+            of the world size after the other degrees.
+        cp, tp, pp, ep: context, tensor, pipeline and expert parallel degrees.
+        world_size: number of ranks (processes).
+
+    Raises:
+        ParallelismError: a degree < 1 (other than dp_shard = -1), a product that is not the world
+            size, an ``ep`` that does not divide dp_shard × cp × tp, or a degree whose parallelism
+            is not built yet. Every message names the setting, its value and the fix.
+    """
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    ep: int
+    world_size: int
+    _meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    @classmethod
+    def from_config(cls, parallelism_cfg, world_size: int) -> "ParallelDims":
+        """Build from the ``[parallelism]`` config section (only the degrees are read)."""
+        return cls(
+            dp_replicate=parallelism_cfg.dp_replicate,
+            dp_shard=parallelism_cfg.dp_shard,
+            cp=parallelism_cfg.cp,
+            tp=parallelism_cfg.tp,
+            pp=parallelism_cfg.pp,
+            ep=parallelism_cfg.ep,
+            world_size=world_size,
+        )
+
+    def _validate(self) -> None:
+        for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ParallelismError(
+                    f"parallelism.{name} = {value} is invalid: degrees must be >= 1 (1 disables it)."
+                )
+        if self.dp_shard == -1:
+            others = self.dp_replicate * self.cp * self.tp * self.pp
+            if self.world_size % others != 0:
+                raise ParallelismError(
+                    f"parallelism.dp_shard = -1 cannot fill the world: world_size {self.world_size} is "
+                    f"not divisible by dp_replicate×cp×tp×pp = {others}. Change the degrees or the "
+                    "number of processes (NGPU)."
+                )
+            self.dp_shard = self.world_size // others
+        elif self.dp_shard < 1:
+            raise ParallelismError(
+                f"parallelism.dp_shard = {self.dp_shard} is invalid: use -1 (the rest) or a degree >= 1."
+            )
+        product = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
+        if product != self.world_size:
+            raise ParallelismError(
+                f"parallelism degrees multiply to {product} (dp_replicate {self.dp_replicate} × "
+                f"dp_shard {self.dp_shard} × cp {self.cp} × tp {self.tp} × pp {self.pp}) but "
+                f"world_size is {self.world_size}. Make the product equal the number of processes, "
+                "or set dp_shard = -1 to use the rest."
+            )
+        if self.ep > 1 and (self.dp_shard * self.cp * self.tp) % self.ep != 0:
+            raise ParallelismError(
+                f"parallelism.ep = {self.ep} must divide dp_shard×cp×tp = "
+                f"{self.dp_shard * self.cp * self.tp}: experts are placed over those ranks."
+            )
+        for name, what in _NOT_SUPPORTED_YET.items():
+            value = getattr(self, name)
+            if value > 1:
+                raise ParallelismError(
+                    f"parallelism.{name} = {value}: {what} is not supported yet; set "
+                    f"parallelism.{name} = 1."
+                )
+
+    # ------------------------------------------------------------------ degrees by use
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: number of distinct sample streams (dp_replicate × dp_shard)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """FSDP shards parameters over dp_shard × cp (HSDP when dp_replicate > 1 as well)."""
+        return self.dp_shard * self.cp > 1
+
+    @property
+    def ddp_enabled(self) -> bool:
+        """Pure replication (DDP): dp_replicate > 1 and nothing sharded."""
+        return self.dp_replicate > 1 and not self.fsdp_enabled
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    # ------------------------------------------------------------------ meshes
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """Create the world mesh and its flattened sub-meshes (needs an initialized process group).
+
+        Returns the 5-D world mesh; sub-meshes are available through :meth:`mesh`.
+        """
+        shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+        world = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES)
+        self._meshes = {name: world[name] for name in MESH_DIM_NAMES}
+        self._meshes["world"] = world
+        # Keep the flattened meshes ourselves: re-slicing a flattened dim from the root is deprecated.
+        self._meshes["dp"] = world["dp_replicate", "dp_shard"]._flatten("dp")
+        self._meshes["dp_shard_cp"] = world["dp_shard", "cp"]._flatten("dp_shard_cp")
+        self._meshes["dp_cp"] = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        # HSDP needs a 2-D (replicate, shard) mesh; with cp == 1 it is a plain slice of the world.
+        self._meshes["hsdp"] = world["dp_replicate", "dp_shard"]
+        return world
+
+    def mesh(self, name: str) -> DeviceMesh:
+        """The sub-mesh called ``name`` (a dim of MESH_DIM_NAMES, or dp, dp_shard_cp, dp_cp, hsdp).
+
+        Raises:
+            RuntimeError: the mesh was not built (single process) or has no such name.
+        """
+        if name not in self._meshes:
+            raise RuntimeError(
+                f"no device mesh named {name!r}; built: {sorted(self._meshes) or 'none (single process)'}"
+            )
+        return self._meshes[name]
+
+    @property
+    def mesh_built(self) -> bool:
+        return bool(self._meshes)

@@ -1,0 +1,58 @@
+"""Shared helpers for tests that train: a small fixed setting and loss/grad-norm comparison."""
+
+from __future__ import annotations
+
+import math
+import os
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The 0.2 MB validation split is the training data of the tests: fast to tokenize, real text.
+SMALL_CORPUS = os.path.join(REPO, "assets", "data", "shakespeare", "validation.jsonl")
+PARITY_STEPS = 5
+
+
+def base_args(dump_folder: str, overrides: dict | None = None) -> list[str]:
+    """CLI arguments of a 5-step fp32 debugmodel run on the small corpus (global batch 8 × 64 tokens)."""
+    settings = {
+        "job.dump_folder": dump_folder,
+        "job.print_config": "false",
+        "data.path": SMALL_CORPUS,
+        "training.steps": str(PARITY_STEPS),
+        "training.seq_len": "64",
+        "training.local_batch_size": "8",
+        "training.global_batch_size": "8",
+        "training.gc_freq": "0",
+        "lr_scheduler.warmup_steps": "2",
+        "metrics.log_freq": "1",
+        "metrics.enable_tensorboard": "false",
+        "comm.init_timeout_seconds": "60",
+    }
+    settings.update({key: str(value) for key, value in (overrides or {}).items()})
+    argv: list[str] = []
+    for key, value in settings.items():
+        argv += [f"--{key}", value]
+    return argv
+
+
+def train_and_record(argv: list[str]) -> list[tuple[float, float]]:
+    """Build a Trainer from CLI-style arguments, train, return [(loss, grad_norm)] per step."""
+    from engine.config import load_config
+    from engine.trainer import Trainer
+
+    cfg = load_config(argv)
+    cfg.validate()
+    trainer = Trainer(cfg)
+    try:
+        history = trainer.train()
+    finally:
+        trainer.close()
+    return [(h["loss"], h["grad_norm"]) for h in history]
+
+
+def assert_parity(got: list[tuple[float, float]], want: list[tuple[float, float]]) -> None:
+    """Loss and grad norm: relative 1e-5 at step 1, 1e-4 at every step (fp32 standard)."""
+    assert len(got) == len(want) == PARITY_STEPS, (len(got), len(want))
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, want), start=1):
+        tol = 1e-5 if step == 1 else 1e-4
+        assert math.isclose(loss, ref_loss, rel_tol=tol), f"step {step}: loss {loss} vs {ref_loss}"
+        assert math.isclose(norm, ref_norm, rel_tol=tol), f"step {step}: grad_norm {norm} vs {ref_norm}"
