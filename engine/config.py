@@ -1,0 +1,414 @@
+"""Job configuration: TOML file + ``--section.key`` command-line overrides -> :class:`JobConfig`.
+
+Precedence is command line > TOML file > dataclass default. Keys are strict: an unknown section
+or key, a value of the wrong type, or an enum value outside its allowed set raises
+:class:`ConfigError` with a "did you mean" suggestion or the fix. The sections and their keys are
+defined (with their docs) in :mod:`engine.config_sections`; ``--help`` lists every one of them.
+
+Typical use::
+
+    cfg = load_config()            # argv defaults to sys.argv[1:]
+    cfg.validate()                 # checks that need nothing but the config itself
+    build_optimizer(params, cfg.optimizer)   # components get their own section only
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on Python 3.10
+    import tomli as tomllib
+
+from engine.config_sections import (  # the section dataclasses, re-exported for type hints
+    ActivationCheckpointSection, CheckpointSection, CommSection, CompileSection, DataSection,
+    JobSection, LRSchedulerSection, MetricsSection, ModelSection, OptimizerSection,
+    ParallelismSection, TrainingSection, ValidationSection,
+)
+
+__all__ = [
+    "CONFIG_KEYS", "ConfigError", "JobConfig", "config_to_dict", "config_to_toml",
+    "format_help", "load_config", "resolve_dump_folder",
+]
+
+_TRUE_WORDS = ("true", "1", "yes")
+_FALSE_WORDS = ("false", "0", "no")
+
+
+class ConfigError(ValueError):
+    """A bad config: unknown section/key, wrong type, value out of range, unreadable TOML, bad CLI."""
+
+
+@dataclass
+class JobConfig:
+    """The whole job config: one attribute per TOML section. Treat as read-only after loading."""
+
+    job: JobSection = field(default_factory=JobSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    validation: ValidationSection = field(default_factory=ValidationSection)
+    training: TrainingSection = field(default_factory=TrainingSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    lr_scheduler: LRSchedulerSection = field(default_factory=LRSchedulerSection)
+    parallelism: ParallelismSection = field(default_factory=ParallelismSection)
+    comm: CommSection = field(default_factory=CommSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+    activation_checkpoint: ActivationCheckpointSection = field(default_factory=ActivationCheckpointSection)
+    compile: CompileSection = field(default_factory=CompileSection)
+
+    @property
+    def run_folder(self) -> str:
+        """The run folder; see :func:`resolve_dump_folder`."""
+        return resolve_dump_folder(self)
+
+    def validate(self) -> None:
+        """Check every value that can be judged from the config alone (ranges, enums, types).
+
+        Checks that need the world size (degree product, batch divisibility by dp) belong to
+        ``ParallelDims`` and the data loader. All problems are reported together.
+
+        Raises:
+            ConfigError: one line per problem, each naming the key, the value and the fix.
+        """
+        # Range checks compare numbers, so they run only once every value has its declared type.
+        problems = _type_problems(self) or _range_problems(self)
+        if problems:
+            raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+
+# Section name -> dataclass, in TOML/help order; derived from JobConfig so they cannot drift.
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(JobConfig)}
+_FIELDS: dict[str, dict[str, dataclasses.Field]] = {
+    name: {f.name: f for f in dataclasses.fields(cls)} for name, cls in SECTIONS.items()
+}
+# Every "section.key" name; tests pin this set so that adding or removing a key is deliberate.
+CONFIG_KEYS: tuple[str, ...] = tuple(f"{s}.{k}" for s, fs in _FIELDS.items() for k in fs)
+
+
+def resolve_dump_folder(cfg: JobConfig) -> str:
+    """The run folder: ``job.dump_folder``, or ``outputs/<config file stem>`` when it is "".
+
+    Without a config file the stem is ``default`` (``outputs/default``). Relative paths stay
+    relative to the working directory.
+    """
+    # Naming the folder after the config keeps runs of different presets apart by default.
+    if cfg.job.dump_folder:
+        return cfg.job.dump_folder
+    stem = Path(cfg.job.config_file).stem if cfg.job.config_file else "default"
+    return os.path.join("outputs", stem)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_config(argv: list[str] | None = None) -> JobConfig:
+    """Build a :class:`JobConfig` from ``--job.config_file`` TOML plus command-line overrides.
+
+    Args:
+        argv: arguments, default ``sys.argv[1:]``. Forms: ``--section.key VALUE``,
+            ``--section.key=VALUE``, and for bool keys a bare ``--section.key`` (true). Bools
+            accept true/false/1/0/yes/no. ``--job.config_file PATH`` names the TOML file
+            (relative paths resolve from the working directory).
+
+    Returns:
+        The config, CLI > TOML > default. Not validated: call ``cfg.validate()``.
+
+    Raises:
+        ConfigError: unknown section/key, wrong type, enum value not allowed, missing or
+            unparsable TOML file, malformed argument, missing value.
+        SystemExit(0): after printing :func:`format_help`, when ``-h``/``--help`` is given.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Help wins over everything else, so it works even next to a broken override.
+    if "-h" in argv or "--help" in argv:
+        print(format_help())
+        raise SystemExit(0)
+    # Parse the CLI first: it names the TOML file, and its errors need no file I/O.
+    cli = _parse_argv(argv)
+    values: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    path = cli.get(("job", "config_file"), "")
+    if path:
+        for (section, key), value in _read_toml(path).items():
+            values[section][key] = value
+    for (section, key), value in cli.items():
+        values[section][key] = value
+    # Not validated here: tools (and tests) may load, adjust, then call validate() themselves.
+    return JobConfig(**{name: SECTIONS[name](**kv) for name, kv in values.items()})
+
+
+def _read_toml(path: str) -> dict[tuple[str, str], Any]:
+    """Read and type-check one TOML config file -> {(section, key): value}."""
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"job.config_file = {path!r}: file not found (relative to {os.getcwd()}). "
+            "Fix: pass an existing TOML file, e.g. --job.config_file train_configs/debug_model.toml"
+        ) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"job.config_file = {path!r} is not valid TOML: {exc}. "
+                          "Fix: correct the syntax at that line") from exc
+    except OSError as exc:
+        raise ConfigError(f"job.config_file = {path!r} cannot be read: {exc}. "
+                          "Fix: pass a readable TOML file") from exc
+    where = f"config file {path!r}"
+    out: dict[tuple[str, str], Any] = {}
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            homes = [f"[{s}]" for s, fs in _FIELDS.items() if section in fs]
+            hint = f" (it belongs under {' or '.join(homes)})" if homes else ""
+            raise ConfigError(f"top-level key '{section}' in {where} is outside any section{hint}. "
+                              "Fix: move it under its [section] header")
+        for key, value in table.items():
+            f = _lookup(section, key, where)
+            out[(section, key)] = _check_native(f"{section}.{key}", value, f)
+    return out
+
+
+def _parse_argv(argv: list[str]) -> dict[tuple[str, str], Any]:
+    """Parse ``--section.key[=]VALUE`` arguments -> {(section, key): typed value}; last one wins."""
+    out: dict[tuple[str, str], Any] = {}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        i += 1
+        name, has_eq, text = token[2:].partition("=")
+        section, _, key = name.partition(".")
+        if not token.startswith("--") or not section or not key:
+            raise ConfigError(f"command-line argument {token!r} is not of the form --section.key VALUE "
+                              "or --section.key=VALUE. Fix: e.g. --training.steps 10 (see --help)")
+        f = _lookup(section, key, "command-line arguments")
+        if not has_eq:
+            nxt = argv[i] if i < len(argv) else None
+            if nxt is None or nxt.startswith("--"):
+                # Only a bool may stand alone: `--compile.enable` means true.
+                if f.type is not bool:
+                    raise ConfigError(f"--{name} is missing its value ({f.type.__name__}). "
+                                      f"Fix: pass --{name} VALUE or --{name}=VALUE")
+                text = "true"
+            else:
+                text = nxt
+                i += 1
+        out[(section, key)] = _parse_cli_value(name, text, f)
+    return out
+
+
+def _lookup(section: str, key: str, where: str) -> dataclasses.Field:
+    """The field of ``section.key``, or ConfigError with a "did you mean" suggestion."""
+    if section not in _FIELDS:
+        close = difflib.get_close_matches(section, list(_FIELDS), n=1)
+        hint = f"did you mean '{close[0]}'?" if close else f"known sections: {', '.join(_FIELDS)}"
+        raise ConfigError(f"unknown section '{section}' in {where}; {hint}")
+    fields = _FIELDS[section]
+    if key in fields:
+        return fields[key]
+    # Prefer a near-miss in the same section, then the same key in another section, then anything.
+    # e.g. [training] lr -> 'optimizer.lr': keys misplaced across sections are a common slip.
+    close = [f"{section}.{m}" for m in difflib.get_close_matches(key, list(fields), n=1)]
+    close = close or [f"{s}.{key}" for s, fs in _FIELDS.items() if key in fs]
+    close = close or difflib.get_close_matches(f"{section}.{key}", CONFIG_KEYS, n=1)
+    hint = (f"did you mean '{close[0]}'?" if close
+            else f"keys of [{section}]: {', '.join(fields)}")
+    raise ConfigError(f"unknown key '{section}.{key}' in {where}; {hint} (see --help for every key)")
+
+
+def _check_native(key: str, value: Any, f: dataclasses.Field) -> Any:
+    """Type-check a TOML (or in-memory) value for field ``f``; ints widen to float. -> the value."""
+    typ = f.type
+    ok = False
+    # bool is a subclass of int in Python; TOML `true` must never pass as 1.
+    if typ is bool:
+        ok = isinstance(value, bool)
+    elif typ is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif typ is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if ok:
+            value = float(value)
+            ok = math.isfinite(value)
+    elif typ is str:
+        ok = isinstance(value, str)
+        if not ok and f.metadata.get("int_ok") and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = str(value), True
+    if not ok:
+        shown = _toml_value(value) if isinstance(value, (bool, int, float, str)) else repr(value)
+        expected = "a finite float (ints are accepted)" if typ is float else f"a{'n' * (typ is int)} {typ.__name__}"
+        raise ConfigError(f"{key} = {shown} has type {type(value).__name__}, expected {expected}. "
+                          f"Fix: write e.g. {key} = {_toml_value(f.default)}")
+    return _check_choice(key, value, f)
+
+
+def _parse_cli_value(key: str, text: str, f: dataclasses.Field) -> Any:
+    """Convert one command-line string to the type of field ``f``."""
+    typ = f.type
+    try:
+        if typ is bool:
+            word = text.strip().lower()
+            if word not in _TRUE_WORDS + _FALSE_WORDS:
+                raise ValueError(text)
+            value: Any = word in _TRUE_WORDS
+        elif typ is float:
+            # float() takes "nan"/"inf"; no hyperparameter here means either, so refuse them.
+            value = float(text)
+            if not math.isfinite(value):
+                raise ValueError(text)
+        else:
+            value = typ(text)  # int(...) rejects "1.5" and "true"; str is the identity
+    except ValueError:
+        words = " (true/false, 1/0, yes/no)" if typ is bool else ""
+        raise ConfigError(f"{key} = {text!r} from the command line is not a valid {typ.__name__}"
+                          f"{words}. Fix: e.g. --{key} {_cli_value(f.default)}") from None
+    return _check_choice(key, value, f)
+
+
+def _check_choice(key: str, value: Any, f: dataclasses.Field) -> Any:
+    """Raise ConfigError when ``f`` has ``choices`` metadata and ``value`` is not one of them."""
+    choices = f.metadata.get("choices")
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{key} = {value!r} is not an allowed value. "
+                          f"Fix: use one of {'|'.join(choices)}")
+    return value
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _type_problems(cfg: JobConfig) -> list[str]:
+    """Types and enum membership of every field (catches values set in code, not just loaded)."""
+    problems = []
+    for section in SECTIONS:
+        obj = getattr(cfg, section)
+        for key, f in _FIELDS[section].items():
+            value = getattr(obj, key)
+            try:
+                checked = _check_native(f"{section}.{key}", value, f)
+            except ConfigError as exc:
+                problems.append(str(exc))
+                continue
+            if f.type is str and checked != value:  # int_ok converts; code must store the str
+                problems.append(f"{section}.{key} = {value!r} must be a str. Fix: use {checked!r}")
+    return problems
+
+
+def _range_problems(cfg: JobConfig) -> list[str]:
+    """Range and consistency checks; each entry is (bad?, key, value, rule and fix)."""
+    t, o, s = cfg.training, cfg.optimizer, cfg.lr_scheduler
+    v, p, ac = cfg.validation, cfg.parallelism, cfg.activation_checkpoint
+    option = ac.selective_ac_option
+    ac_ok = option == "op" or (re.fullmatch(r"[0-9]+", option) is not None and int(option) > 0)
+    checks: list[tuple[bool, str, Any, str]] = [
+        (t.steps <= 0, "training.steps", t.steps, "must be > 0; set the number of optimizer steps"),
+        (t.local_batch_size <= 0, "training.local_batch_size", t.local_batch_size,
+         "must be > 0 sequences per rank per microbatch"),
+        (t.global_batch_size == 0 or t.global_batch_size < -1, "training.global_batch_size",
+         t.global_batch_size, "must be -1 (local_batch_size * dp) or a positive number of sequences"),
+        (t.global_batch_size > 0 and t.global_batch_size % max(t.local_batch_size, 1) != 0,
+         "training.global_batch_size", t.global_batch_size,
+         f"must be a multiple of training.local_batch_size = {t.local_batch_size}"),
+        (t.seq_len <= 0, "training.seq_len", t.seq_len, "must be > 0 tokens"),
+        (t.gc_freq < 0, "training.gc_freq", t.gc_freq, "must be >= 0 (0 leaves Python's GC on)"),
+        (cfg.model.vocab_size == 0 or cfg.model.vocab_size < -1, "model.vocab_size",
+         cfg.model.vocab_size, "must be -1 (the flavor's size) or a positive vocabulary size"),
+        (o.lr <= 0, "optimizer.lr", o.lr, "must be > 0"),
+        (not 0 <= o.beta1 < 1, "optimizer.beta1", o.beta1, "must be in [0, 1)"),
+        (not 0 <= o.beta2 < 1, "optimizer.beta2", o.beta2, "must be in [0, 1)"),
+        (o.eps <= 0, "optimizer.eps", o.eps, "must be > 0"),
+        (o.weight_decay < 0, "optimizer.weight_decay", o.weight_decay, "must be >= 0"),
+        (s.warmup_steps < 0, "lr_scheduler.warmup_steps", s.warmup_steps, "must be >= 0"),
+        (not 0 <= s.decay_ratio <= 1, "lr_scheduler.decay_ratio", s.decay_ratio, "must be in [0, 1]"),
+        (s.min_lr < 0, "lr_scheduler.min_lr", s.min_lr, "must be >= 0"),
+        (s.min_lr > o.lr, "lr_scheduler.min_lr", s.min_lr,
+         f"must not exceed optimizer.lr = {o.lr}; set it in [0, optimizer.lr]"),
+        (v.enable and v.freq <= 0, "validation.freq", v.freq,
+         "must be > 0 steps when validation.enable = true"),
+        (v.steps == 0 or v.steps < -1, "validation.steps", v.steps,
+         "must be -1 (whole split) or a positive number of batches"),
+        (p.dp_shard == 0 or p.dp_shard < -1, "parallelism.dp_shard", p.dp_shard,
+         "must be -1 (the rest of the world size) or >= 1"),
+        (cfg.comm.init_timeout_seconds <= 0, "comm.init_timeout_seconds",
+         cfg.comm.init_timeout_seconds, "must be > 0 seconds"),
+        (cfg.metrics.log_freq <= 0, "metrics.log_freq", cfg.metrics.log_freq, "must be > 0 steps"),
+        (cfg.metrics.peak_tflops < 0, "metrics.peak_tflops", cfg.metrics.peak_tflops,
+         "must be >= 0 (0: look up the GPU)"),
+        (not ac_ok, "activation_checkpoint.selective_ac_option", ac.selective_ac_option,
+         'must be "op" or a positive integer N (checkpoint every N-th block), e.g. "2"'),
+        (cfg.checkpoint.enable, "checkpoint.enable", True,
+         "checkpointing is not supported yet; set checkpoint.enable = false"),
+    ]
+    for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
+        degree = getattr(p, name)
+        checks.append((degree < 1, f"parallelism.{name}", degree, "must be >= 1 (1 disables it)"))
+    return [f"{key} = {_toml_value(value)}: {fix}" for bad, key, value, fix in checks if bad]
+
+
+# ---------------------------------------------------------------- serialisation and help
+
+
+def config_to_dict(cfg: JobConfig) -> dict[str, dict[str, Any]]:
+    """``{section: {key: value}}`` of every key, in help order (plain, TOML-serialisable values)."""
+    return dataclasses.asdict(cfg)
+
+
+def config_to_toml(cfg: JobConfig) -> str:
+    """The config as a TOML document (every section and key); ``tomllib.loads`` round-trips it."""
+    lines: list[str] = []
+    for section, table in config_to_dict(cfg).items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{key} = {_toml_value(value)}" for key, value in table.items())
+        lines.append("")
+    return "\n".join(lines)
+
+
+def format_help() -> str:
+    """The ``--help`` text: one ``--section.key  (type, default: X)  doc`` line per key."""
+    lines = [
+        "usage: python -m engine.train [--job.config_file FILE.toml] [--section.key VALUE ...]",
+        "Each key may be set in the TOML file ([section] key = value) or on the command line as",
+        "--section.key VALUE or --section.key=VALUE; a bare --section.key sets a bool to true.",
+        "Precedence: command line > TOML file > default.",
+    ]
+    for section, fields in _FIELDS.items():
+        lines += ["", f"[{section}]"]
+        for key, f in fields.items():
+            lines.append(f"  --{section}.{key}  ({f.type.__name__}, default: "
+                         f"{_toml_value(f.default)})  {f.metadata['doc']}")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    """One scalar as TOML source: bool before int (bool is an int subclass); floats via repr."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value) if math.isfinite(value) else ("nan" if value != value else
+                                                          ("inf" if value > 0 else "-inf"))
+    if isinstance(value, str):
+        return '"' + "".join(_escape(ch) for ch in value) + '"'
+    raise TypeError(f"cannot write {value!r} ({type(value).__name__}) as a TOML config value")
+
+
+def _escape(ch: str) -> str:
+    # TOML basic strings forbid raw control characters (incl. DEL), '"' and '\'.
+    if ch in '"\\':
+        return "\\" + ch
+    if ord(ch) < 0x20 or ord(ch) == 0x7F:
+        return f"\\u{ord(ch):04X}"
+    return ch
+
+
+def _cli_value(value: Any) -> str:
+    # Example values in error messages: strings unquoted, as a shell user would type them.
+    return _toml_value(value) if not isinstance(value, str) else (value or '""')

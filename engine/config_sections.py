@@ -1,0 +1,176 @@
+"""The section dataclasses of the job config: every TOML key, its type, default and one-line doc.
+
+One dataclass per TOML section (``[training]`` -> :class:`TrainingSection`). Each field carries
+``metadata={"doc": ...}`` (shown by ``--help``) and, for enum-like strings, ``"choices"`` (the
+allowed values, checked at load time and by ``JobConfig.validate``). Field types are limited to
+``str``, ``int``, ``float`` and ``bool`` so that a TOML scalar or one CLI token maps onto each.
+
+Loading, validation and serialisation live in :mod:`engine.config`; components receive one of
+these section objects (e.g. ``cfg.optimizer``), never the whole ``JobConfig``. Treat them as
+read-only after loading.
+"""
+
+# No `from __future__ import annotations`: the loader reads `dataclasses.Field.type` and needs
+# the real classes (str/int/float/bool), not their string names.
+from dataclasses import dataclass, field
+
+
+def _opt(default, doc: str, choices: tuple | None = None, int_ok: bool = False):
+    """A dataclass field with its ``--help`` doc and, optionally, its allowed values.
+
+    ``int_ok`` lets a ``str`` field take a TOML integer (stored as its decimal string); used for
+    ``activation_checkpoint.selective_ac_option``, whose values are "op" or an integer N.
+    """
+    metadata = {"doc": doc}
+    if choices is not None:
+        metadata["choices"] = tuple(choices)
+    if int_ok:
+        metadata["int_ok"] = True
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class JobSection:
+    """``[job]``: what to read, where to write, which device."""
+
+    config_file: str = _opt("", "TOML file to read (CLI: --job.config_file PATH)")
+    dump_folder: str = _opt("", 'run folder; "" means outputs/<config file stem> (or outputs/default)')
+    description: str = _opt("", "free-text description of the run, printed at start")
+    device: str = _opt("auto", "auto|cpu|cuda (auto: cuda:LOCAL_RANK when CUDA exists, else cpu)",
+                       choices=("auto", "cpu", "cuda"))
+    print_config: bool = _opt(True, "print the resolved config (as TOML) at start on rank 0")
+
+
+@dataclass
+class ModelSection:
+    """``[model]``: which registered model and flavor, and its tokenizer."""
+
+    name: str = _opt("llama", "registered model name (see models/)")
+    flavor: str = _opt("debugmodel", "model size preset within the model's flavors, e.g. debugmodel, 8B")
+    tokenizer_path: str = _opt("assets/tokenizer/shakespeare.model", "sentencepiece tokenizer model file")
+    vocab_size: int = _opt(-1, "-1: the flavor's vocab size; set it to train with a larger tokenizer")
+    tie_embeddings: bool = _opt(False, "share tok_embeddings and output weights")
+
+
+@dataclass
+class DataSection:
+    """``[data]``: the training corpus."""
+
+    path: str = _opt("assets/data/shakespeare/train.jsonl",
+                     "local file or folder (jsonl, json, txt, parquet) or a hub dataset name")
+    text_column: str = _opt("text", "column/field holding the document text")
+    split: str = _opt("train", "split name for hub datasets")
+    streaming: bool = _opt(False, "stream the dataset instead of loading it into memory")
+    shuffle: bool = _opt(True, "map-style only: shuffle packed windows each epoch (seeded by training.seed)")
+
+
+@dataclass
+class ValidationSection:
+    """``[validation]``: periodic evaluation on a held-out split."""
+
+    enable: bool = _opt(False, "run validation during training")
+    path: str = _opt("assets/data/shakespeare/validation.jsonl", "validation corpus (same formats as data.path)")
+    freq: int = _opt(100, "evaluate every N steps")
+    steps: int = _opt(10, "batches per evaluation (-1: the whole split)")
+
+
+@dataclass
+class TrainingSection:
+    """``[training]``: step count, batch geometry (sequences, tokens), precision, seeding."""
+
+    steps: int = _opt(100, "optimizer steps to train")
+    local_batch_size: int = _opt(8, "sequences per rank per microbatch")
+    global_batch_size: int = _opt(-1, "sequences per optimizer step over all dp ranks; "
+                                      "-1 = local_batch_size * dp (no accumulation)")
+    seq_len: int = _opt(256, "tokens per sequence")
+    max_norm: float = _opt(1.0, "gradient clipping norm; <= 0 disables clipping")
+    seed: int = _opt(0, "random seed for init, data order and dropout")
+    deterministic: bool = _opt(False, "use deterministic algorithms (slower)")
+    mixed_precision_param: str = _opt("float32", "dtype of parameters in compute: float32|bfloat16",
+                                      choices=("float32", "bfloat16"))
+    mixed_precision_reduce: str = _opt("float32", "dtype of gradient reduction: float32|bfloat16",
+                                       choices=("float32", "bfloat16"))
+    gc_freq: int = _opt(50, "run gc.collect() every N steps (0: leave Python's GC on)")
+
+
+@dataclass
+class OptimizerSection:
+    """``[optimizer]``: AdamW hyperparameters (Loshchilov & Hutter 2019)."""
+
+    name: str = _opt("AdamW", "optimizer name (see engine/optimizer.py)")
+    lr: float = _opt(8e-4, "peak learning rate (reached at the end of warmup)")
+    beta1: float = _opt(0.9, "Adam first-moment decay")
+    beta2: float = _opt(0.95, "Adam second-moment decay")
+    eps: float = _opt(1e-8, "Adam denominator epsilon")
+    weight_decay: float = _opt(0.1, "decoupled weight decay")
+    implementation: str = _opt("foreach", "foreach|fused|for-loop", choices=("foreach", "fused", "for-loop"))
+
+
+@dataclass
+class LRSchedulerSection:
+    """``[lr_scheduler]``: linear warmup then decay (units: optimizer steps)."""
+
+    warmup_steps: int = _opt(10, "steps of linear warmup from ~0 to optimizer.lr")
+    decay_type: str = _opt("linear", "LR decay after warmup: constant|linear|cosine|wsd",
+                           choices=("constant", "linear", "cosine", "wsd"))
+    decay_ratio: float = _opt(0.2, "wsd only: fraction of training.steps spent in the final decay")
+    min_lr: float = _opt(0.0, "LR at the end of decay")
+
+
+@dataclass
+class ParallelismSection:
+    """``[parallelism]``: every parallel degree; their product must equal world_size."""
+
+    dp_replicate: int = _opt(1, "data-parallel replicas (DDP, or HSDP with dp_shard > 1)")
+    dp_shard: int = _opt(-1, "FSDP sharding degree; -1: the rest of the world size")
+    cp: int = _opt(1, "context-parallel degree (sequence split)")
+    tp: int = _opt(1, "tensor-parallel degree")
+    pp: int = _opt(1, "pipeline-parallel degree")
+    ep: int = _opt(1, "expert-parallel degree (MoE models)")
+    fsdp_reshard_after_forward: str = _opt("default", "default|always|never",
+                                           choices=("default", "always", "never"))
+
+
+@dataclass
+class CommSection:
+    """``[comm]``: process-group setup."""
+
+    backend: str = _opt("auto", "auto|nccl|gloo (auto: nccl on CUDA, gloo on CPU)",
+                        choices=("auto", "nccl", "gloo"))
+    init_timeout_seconds: int = _opt(300, "timeout for process-group init and collectives, seconds")
+
+
+@dataclass
+class CheckpointSection:
+    """``[checkpoint]``: distributed checkpoint save/load (not supported yet)."""
+
+    enable: bool = _opt(False, "save and resume checkpoints (must stay false for now)")
+    folder: str = _opt("checkpoint", "checkpoint folder, relative to the run folder")
+    interval: int = _opt(500, "save every N steps")
+
+
+@dataclass
+class MetricsSection:
+    """``[metrics]``: console and TensorBoard logging."""
+
+    log_freq: int = _opt(10, "log metrics every N steps")
+    enable_tensorboard: bool = _opt(True, "write TensorBoard event files")
+    save_tb_folder: str = _opt("tb", "TensorBoard folder, relative to the run folder")
+    peak_tflops: float = _opt(0.0, "0: look up the GPU in a table; on CPU MFU prints n/a")
+
+
+@dataclass
+class ActivationCheckpointSection:
+    """``[activation_checkpoint]``: recompute activations in backward to save memory."""
+
+    mode: str = _opt("none", "none|full|selective", choices=("none", "full", "selective"))
+    selective_ac_option: str = _opt("op", '"op" (per-op policy) or an integer N (every N-th block)',
+                                    int_ok=True)
+
+
+@dataclass
+class CompileSection:
+    """``[compile]``: torch.compile of each transformer block."""
+
+    enable: bool = _opt(False, "torch.compile the model blocks")
+    backend: str = _opt("inductor", "torch.compile backend")

@@ -1,0 +1,405 @@
+"""Tests for engine/config.py: defaults, TOML + CLI precedence, strict keys, validate(), TOML out."""
+
+import dataclasses
+import math
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from engine.config import (
+    CONFIG_KEYS,
+    ConfigError,
+    JobConfig,
+    config_to_dict,
+    config_to_toml,
+    format_help,
+    load_config,
+    resolve_dump_folder,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+PRESETS = sorted((REPO / "train_configs").glob("*.toml"))
+
+# Pinned on purpose: adding or removing a config key must update this list in the same change.
+PINNED_KEYS = """
+job.config_file job.dump_folder job.description job.device job.print_config
+model.name model.flavor model.tokenizer_path model.vocab_size model.tie_embeddings
+data.path data.text_column data.split data.streaming data.shuffle
+validation.enable validation.path validation.freq validation.steps
+training.steps training.local_batch_size training.global_batch_size training.seq_len
+training.max_norm training.seed training.deterministic training.mixed_precision_param
+training.mixed_precision_reduce training.gc_freq
+optimizer.name optimizer.lr optimizer.beta1 optimizer.beta2 optimizer.eps optimizer.weight_decay
+optimizer.implementation
+lr_scheduler.warmup_steps lr_scheduler.decay_type lr_scheduler.decay_ratio lr_scheduler.min_lr
+parallelism.dp_replicate parallelism.dp_shard parallelism.cp parallelism.tp parallelism.pp
+parallelism.ep parallelism.fsdp_reshard_after_forward
+comm.backend comm.init_timeout_seconds
+checkpoint.enable checkpoint.folder checkpoint.interval
+metrics.log_freq metrics.enable_tensorboard metrics.save_tb_folder metrics.peak_tflops
+activation_checkpoint.mode activation_checkpoint.selective_ac_option
+compile.enable compile.backend
+""".split()
+
+
+def write_toml(tmp_path: Path, text: str, name: str = "run.toml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def load_toml(tmp_path: Path, text: str, *extra: str) -> JobConfig:
+    return load_config(["--job.config_file", write_toml(tmp_path, text), *extra])
+
+
+def raises_config_error(argv: list[str], *fragments: str) -> str:
+    """Assert load_config(argv) raises ConfigError whose message contains every fragment."""
+    with pytest.raises(ConfigError) as info:
+        load_config(argv)
+    for fragment in fragments:
+        assert fragment in str(info.value), (fragment, str(info.value))
+    return str(info.value)
+
+
+# ---------------------------------------------------------------- defaults and keys
+
+
+def test_pinned_key_set():
+    assert list(CONFIG_KEYS) == PINNED_KEYS
+
+
+def test_defaults_match_spec_and_validate():
+    cfg = load_config([])
+    assert cfg == JobConfig()
+    assert cfg.training.steps == 100 and cfg.training.local_batch_size == 8
+    assert cfg.training.global_batch_size == -1 and cfg.training.seq_len == 256
+    assert cfg.optimizer.lr == 8e-4 and cfg.optimizer.implementation == "foreach"
+    assert cfg.lr_scheduler.decay_type == "linear" and cfg.lr_scheduler.min_lr == 0.0
+    assert cfg.parallelism.dp_shard == -1 and cfg.parallelism.tp == 1
+    assert cfg.activation_checkpoint.selective_ac_option == "op"
+    assert cfg.job.print_config is True and cfg.checkpoint.enable is False
+    assert cfg.model.tokenizer_path == "assets/tokenizer/shakespeare.model"
+    cfg.validate()
+
+
+def test_every_field_has_doc_and_scalar_type():
+    cfg = JobConfig()
+    for section in dataclasses.fields(cfg):
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            assert f.metadata["doc"], f"{section.name}.{f.name} has no doc"
+            assert f.type in (str, int, float, bool), f"{section.name}.{f.name}: {f.type}"
+            for choice in f.metadata.get("choices", ()):
+                assert isinstance(choice, f.type)
+            if "choices" in f.metadata:
+                assert f.default in f.metadata["choices"]
+
+
+# ---------------------------------------------------------------- TOML and CLI
+
+
+def test_toml_values_loaded_and_others_default(tmp_path):
+    cfg = load_toml(tmp_path, '[training]\nsteps = 7\nseq_len = 64\n[optimizer]\nlr = 1\n')
+    assert cfg.training.steps == 7 and cfg.training.seq_len == 64
+    assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)  # int -> float
+    assert cfg.training.local_batch_size == 8
+    assert cfg.job.config_file.endswith("run.toml")
+
+
+def test_precedence_cli_over_toml_over_default(tmp_path):
+    toml = '[training]\nsteps = 7\nseq_len = 64\n'
+    cfg = load_toml(tmp_path, toml, "--training.steps", "9")
+    assert cfg.training.steps == 9            # CLI beats TOML
+    assert cfg.training.seq_len == 64         # TOML beats default
+    assert cfg.training.local_batch_size == 8  # default
+    # The order of arguments does not matter: the file is read before overrides are applied.
+    path = write_toml(tmp_path, toml, "other.toml")
+    cfg = load_config(["--training.steps=11", "--job.config_file", path])
+    assert cfg.training.steps == 11 and cfg.training.seq_len == 64
+
+
+@pytest.mark.parametrize("argv", [
+    ["--training.seq_len", "128", "--optimizer.lr", "3e-4", "--job.description", "a b"],
+    ["--training.seq_len=128", "--optimizer.lr=3e-4", "--job.description=a b"],
+])
+def test_both_override_forms(argv):
+    cfg = load_config(argv)
+    assert cfg.training.seq_len == 128 and cfg.optimizer.lr == 3e-4
+    assert cfg.job.description == "a b"
+
+
+def test_cli_negative_numbers_empty_string_and_last_wins():
+    cfg = load_config(["--parallelism.dp_shard", "-1", "--job.dump_folder=",
+                       "--training.steps", "1", "--training.steps", "2"])
+    assert cfg.parallelism.dp_shard == -1 and cfg.job.dump_folder == "" and cfg.training.steps == 2
+
+
+@pytest.mark.parametrize("word,expected", [
+    ("true", True), ("True", True), ("1", True), ("yes", True),
+    ("false", False), ("FALSE", False), ("0", False), ("no", False),
+])
+def test_bool_words(word, expected):
+    assert load_config(["--compile.enable", word]).compile.enable is expected
+    assert load_config([f"--compile.enable={word}"]).compile.enable is expected
+
+
+def test_bare_bool_flag_means_true():
+    cfg = load_config(["--compile.enable", "--training.deterministic"])
+    assert cfg.compile.enable is True and cfg.training.deterministic is True
+
+
+def test_selective_ac_option_accepts_toml_int(tmp_path):
+    cfg = load_toml(tmp_path, "[activation_checkpoint]\nmode = 'selective'\nselective_ac_option = 2\n")
+    assert cfg.activation_checkpoint.selective_ac_option == "2"
+    cfg.validate()
+
+
+# ---------------------------------------------------------------- load-time errors
+
+
+def test_unknown_section_suggests(tmp_path):
+    path = write_toml(tmp_path, "[trainig]\nsteps = 10\n")
+    raises_config_error(["--job.config_file", path], "'trainig'", "did you mean 'training'?", path)
+    raises_config_error(["--trainig.steps", "3"], "did you mean 'training'?")
+
+
+def test_unknown_key_suggests(tmp_path):
+    path = write_toml(tmp_path, "[training]\nstpes = 10\n")
+    raises_config_error(["--job.config_file", path],
+                        "unknown key 'training.stpes'", "did you mean 'training.steps'?")
+    raises_config_error(["--training.stpes", "3"], "did you mean 'training.steps'?")
+    # A key that lives in another section points there.
+    raises_config_error(["--training.lr", "1"], "did you mean 'optimizer.lr'?")
+
+
+def test_top_level_key_outside_section(tmp_path):
+    path = write_toml(tmp_path, "seq_len = 10\n")
+    raises_config_error(["--job.config_file", path], "'seq_len'", "[training]", "Fix")
+
+
+@pytest.mark.parametrize("toml,fragments", [
+    ('[training]\nsteps = "10"\n', ("training.steps", '"10"', "int")),
+    ("[training]\nsteps = true\n", ("training.steps", "true", "bool", "int")),   # no bool as int
+    ("[training]\nsteps = 10.0\n", ("training.steps", "10.0", "int")),
+    ("[compile]\nenable = 1\n", ("compile.enable", "1", "bool")),
+    ("[optimizer]\nlr = true\n", ("optimizer.lr", "float")),
+    ("[optimizer]\nlr = nan\n", ("optimizer.lr", "nan", "finite")),
+    ("[job]\ndescription = 5\n", ("job.description", "5", "str")),
+    ("[training]\nsteps = [1]\n", ("training.steps", "list", "int")),
+])
+def test_wrong_type_in_toml(tmp_path, toml, fragments):
+    raises_config_error(["--job.config_file", write_toml(tmp_path, toml)], *fragments, "Fix")
+
+
+@pytest.mark.parametrize("argv,fragments", [
+    (["--training.steps", "ten"], ("training.steps", "'ten'", "int")),
+    (["--training.steps=1.5"], ("training.steps", "'1.5'", "int")),
+    (["--optimizer.lr", "fast"], ("optimizer.lr", "'fast'", "float")),
+    (["--optimizer.lr", "inf"], ("optimizer.lr", "'inf'", "float")),
+    (["--compile.enable", "maybe"], ("compile.enable", "'maybe'", "bool", "true/false")),
+])
+def test_wrong_type_on_cli(argv, fragments):
+    raises_config_error(argv, *fragments, "Fix")
+
+
+@pytest.mark.parametrize("key,value,allowed", [
+    ("lr_scheduler.decay_type", "cos", "constant|linear|cosine|wsd"),
+    ("training.mixed_precision_param", "float16", "float32|bfloat16"),
+    ("training.mixed_precision_reduce", "fp8", "float32|bfloat16"),
+    ("optimizer.implementation", "apex", "foreach|fused|for-loop"),
+    ("parallelism.fsdp_reshard_after_forward", "sometimes", "default|always|never"),
+    ("comm.backend", "mpi", "auto|nccl|gloo"),
+    ("activation_checkpoint.mode", "partial", "none|full|selective"),
+    ("job.device", "tpu", "auto|cpu|cuda"),
+])
+def test_enum_value_not_allowed(tmp_path, key, value, allowed):
+    raises_config_error([f"--{key}", value], key, value, allowed)
+    section, name = key.split(".")
+    path = write_toml(tmp_path, f'[{section}]\n{name} = "{value}"\n')
+    raises_config_error(["--job.config_file", path], key, value, allowed)
+
+
+def test_missing_toml_file(tmp_path):
+    path = str(tmp_path / "nope.toml")
+    raises_config_error(["--job.config_file", path], "job.config_file", path, "not found", "Fix")
+
+
+def test_unparsable_toml_file(tmp_path):
+    path = write_toml(tmp_path, "[training\nsteps = 1\n")
+    raises_config_error(["--job.config_file", path], path, "not valid TOML", "line 1")
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["steps"], "'steps'"),
+    (["--steps", "3"], "'--steps'"),
+    (["-x"], "'-x'"),
+    (["--.steps=3"], "'--.steps=3'"),
+])
+def test_malformed_cli_argument(argv, fragment):
+    raises_config_error(argv, fragment, "--section.key", "Fix")
+
+
+@pytest.mark.parametrize("argv", [["--training.steps"], ["--training.steps", "--compile.enable"]])
+def test_missing_cli_value(argv):
+    raises_config_error(argv, "--training.steps", "missing its value", "int", "Fix")
+
+
+# ---------------------------------------------------------------- validate()
+
+
+def _invalid(**overrides) -> str:
+    """validate() on a default config with ``section__key=value`` overrides -> error message."""
+    cfg = JobConfig()
+    for name, value in overrides.items():
+        section, key = name.split("__")
+        setattr(getattr(cfg, section), key, value)
+    with pytest.raises(ConfigError) as info:
+        cfg.validate()
+    return str(info.value)
+
+
+@pytest.mark.parametrize("overrides,fragments", [
+    (dict(training__steps=0), ("training.steps = 0", "> 0")),
+    (dict(optimizer__lr=0.0), ("optimizer.lr = 0.0", "> 0")),
+    (dict(optimizer__lr=-1e-3, lr_scheduler__min_lr=0.0), ("optimizer.lr = -0.001",)),
+    (dict(training__local_batch_size=0), ("training.local_batch_size = 0", "> 0")),
+    (dict(training__seq_len=-5), ("training.seq_len = -5", "> 0")),
+    (dict(training__global_batch_size=0), ("training.global_batch_size = 0", "-1")),
+    (dict(training__global_batch_size=-2), ("training.global_batch_size = -2", "-1")),
+    (dict(training__global_batch_size=12), ("training.global_batch_size = 12", "multiple")),
+    (dict(lr_scheduler__warmup_steps=-1), ("lr_scheduler.warmup_steps = -1", ">= 0")),
+    (dict(lr_scheduler__min_lr=-1e-5), ("lr_scheduler.min_lr = -1e-05", ">= 0")),
+    (dict(lr_scheduler__min_lr=1e-2), ("lr_scheduler.min_lr = 0.01", "optimizer.lr")),
+    (dict(lr_scheduler__decay_ratio=1.5), ("lr_scheduler.decay_ratio = 1.5", "[0, 1]")),
+    (dict(lr_scheduler__decay_ratio=-0.1), ("lr_scheduler.decay_ratio = -0.1", "[0, 1]")),
+    (dict(parallelism__dp_shard=0), ("parallelism.dp_shard = 0", "-1")),
+    (dict(parallelism__dp_shard=-2), ("parallelism.dp_shard = -2", "-1")),
+    (dict(parallelism__dp_replicate=0), ("parallelism.dp_replicate = 0", ">= 1")),
+    (dict(parallelism__cp=0), ("parallelism.cp = 0", ">= 1")),
+    (dict(parallelism__tp=-1), ("parallelism.tp = -1", ">= 1")),
+    (dict(parallelism__pp=0), ("parallelism.pp = 0", ">= 1")),
+    (dict(parallelism__ep=0), ("parallelism.ep = 0", ">= 1")),
+    (dict(metrics__log_freq=0), ("metrics.log_freq = 0", "> 0")),
+    (dict(validation__enable=True, validation__freq=0), ("validation.freq = 0", "validation.enable")),
+    (dict(validation__steps=0), ("validation.steps = 0", "-1")),
+    (dict(validation__steps=-3), ("validation.steps = -3", "-1")),
+    (dict(activation_checkpoint__selective_ac_option="blocks"),
+     ('selective_ac_option = "blocks"', '"op"', "positive integer")),
+    (dict(activation_checkpoint__selective_ac_option="0"),
+     ('selective_ac_option = "0"', "positive integer")),
+    (dict(checkpoint__enable=True),
+     ("checkpoint.enable = true", "not supported yet", "set checkpoint.enable = false")),
+    (dict(lr_scheduler__decay_type="cos"), ("lr_scheduler.decay_type", "cosine")),
+    (dict(training__steps="10"), ("training.steps", '"10"', "expected an int")),
+    (dict(activation_checkpoint__selective_ac_option=2), ("selective_ac_option", "'2'")),
+])
+def test_validate_rejects(overrides, fragments):
+    message = _invalid(**overrides)
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+
+
+def test_validate_accepts_edge_values():
+    cfg = JobConfig()
+    cfg.validation.freq = 0               # ignored while validation is disabled
+    cfg.validation.steps = -1
+    cfg.training.global_batch_size = 16
+    cfg.lr_scheduler.min_lr = cfg.optimizer.lr
+    cfg.lr_scheduler.decay_ratio = 1.0
+    cfg.lr_scheduler.warmup_steps = 0
+    cfg.parallelism.dp_shard = 4
+    cfg.activation_checkpoint.selective_ac_option = "3"
+    cfg.training.max_norm = 0.0           # <= 0 disables clipping, not an error
+    cfg.validate()
+
+
+def test_validate_reports_all_problems_at_once():
+    message = _invalid(training__steps=0, optimizer__lr=-1.0, metrics__log_freq=0)
+    assert "training.steps" in message and "optimizer.lr" in message and "metrics.log_freq" in message
+
+
+# ---------------------------------------------------------------- help, run folder, TOML out
+
+
+def test_help_lists_every_key(capsys):
+    for flag in ("--help", "-h"):
+        with pytest.raises(SystemExit) as info:
+            load_config(["--training.steps", "1", flag])
+        assert info.value.code == 0
+        out = capsys.readouterr().out
+        for key in CONFIG_KEYS:
+            assert f"--{key}  (" in out, key
+    assert "--training.steps  (int, default: 100)  optimizer steps to train" in out
+    assert '--lr_scheduler.decay_type  (str, default: "linear")' in out
+    assert "--compile.enable  (bool, default: false)" in out
+    assert out.strip() == format_help().strip()
+
+
+def test_run_folder(tmp_path):
+    assert resolve_dump_folder(JobConfig()) == str(Path("outputs") / "default")
+    cfg = load_toml(tmp_path, "[training]\nsteps = 3\n")
+    assert cfg.run_folder == str(Path("outputs") / "run")
+    cfg = load_toml(tmp_path, '[job]\ndump_folder = "/tmp/x"\n')
+    assert cfg.run_folder == "/tmp/x" == resolve_dump_folder(cfg)
+
+
+def test_toml_round_trip(tmp_path):
+    cfg = load_config(["--job.description", 'quote " backslash \\ tab \t newline \n del \x7f é',
+                       "--optimizer.lr", "1.2345678901234567e-4", "--optimizer.eps", "1e-300",
+                       "--compile.enable", "--parallelism.dp_shard", "-1"])
+    text = config_to_toml(cfg)
+    assert tomllib.loads(text) == config_to_dict(cfg)
+    assert set(f"{s}.{k}" for s, t in tomllib.loads(text).items() for k in t) == set(CONFIG_KEYS)
+    # Through a file and load_config as well (config_file is replaced by the path read).
+    path = write_toml(tmp_path, text)
+    again = load_config(["--job.config_file", path])
+    again.job.config_file = cfg.job.config_file
+    assert again == cfg
+    plain = config_to_dict(JobConfig())
+    assert list(plain) == [f.name for f in dataclasses.fields(JobConfig)]
+    assert all(isinstance(v, (str, int, float, bool)) for t in plain.values() for v in t.values())
+
+
+# ---------------------------------------------------------------- shipped configs
+
+
+def test_presets_exist():
+    names = {p.name for p in PRESETS}
+    assert {"debug_model.toml", "llama3_8b.toml", "llama3_70b.toml", "llama3_405b.toml"} <= names
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
+def test_preset_loads_and_validates(path):
+    cfg = load_config(["--job.config_file", str(path)])
+    cfg.validate()
+    assert cfg.run_folder == str(Path("outputs") / path.stem)
+    assert cfg.checkpoint.enable is False and math.isfinite(cfg.optimizer.lr)
+
+
+def test_debug_model_spells_out_every_key():
+    data = tomllib.loads((REPO / "train_configs" / "debug_model.toml").read_text())
+    keys = {f"{s}.{k}" for s, t in data.items() for k in t}
+    assert keys == set(CONFIG_KEYS) - {"job.config_file"}
+    cfg = load_config(["--job.config_file", str(REPO / "train_configs" / "debug_model.toml")])
+    t, s, v = cfg.training, cfg.lr_scheduler, cfg.validation
+    assert (cfg.model.flavor, t.steps, t.local_batch_size, t.seq_len) == ("debugmodel", 100, 8, 256)
+    assert (cfg.optimizer.lr, s.warmup_steps, s.decay_type, s.min_lr) == (8e-4, 10, "cosine", 8e-5)
+    assert (v.enable, v.freq, v.steps, cfg.metrics.log_freq) == (True, 50, 5, 10)
+    assert cfg.parallelism.dp_shard == -1
+
+
+@pytest.mark.parametrize("name,flavor,tp,lr,ac", [
+    ("llama3_8b.toml", "8B", 1, 3e-4, "selective"),
+    ("llama3_70b.toml", "70B", 8, 1.5e-4, "full"),
+    ("llama3_405b.toml", "405B", 8, 8e-5, "full"),
+])
+def test_llama3_presets(name, flavor, tp, lr, ac):
+    path = REPO / "train_configs" / name
+    cfg = load_config(["--job.config_file", str(path)])
+    assert (cfg.model.flavor, cfg.parallelism.tp, cfg.optimizer.lr) == (flavor, tp, lr)
+    assert cfg.activation_checkpoint.mode == ac and cfg.parallelism.dp_shard == -1
+    assert cfg.training.seq_len == 8192 and cfg.parallelism.pp == 1
+    assert cfg.training.mixed_precision_param == "bfloat16" and cfg.validation.enable is False
+    assert cfg.model.vocab_size == -1
+    head = path.read_text().splitlines()[0]
+    assert "GPUs" in head
