@@ -133,6 +133,8 @@ class Trainer:
             device=self.device,
             flops_per_token=self.flops_per_token,
             training_steps=self.cfg.training.steps,
+            # The devices that share one dp rank's samples: tokens/s per device divides by them.
+            devices_per_dp_rank=self.parallel_dims.cp * self.parallel_dims.tp * self.parallel_dims.pp,
         )
 
     # ------------------------------------------------------------------ collectives
@@ -253,13 +255,20 @@ class Trainer:
                 record["step_seconds"] = time.perf_counter() - start
                 record["step"] = self.step
                 self.history.append(record)
-                self.metrics.log_step(self.step, record)
+                self.metrics.record_step(
+                    tokens=record["tokens"], step_seconds=record["step_seconds"], data_seconds=record["data_seconds"]
+                )
+                if self.metrics.should_log(self.step):
+                    self.metrics.log(
+                        self.step,
+                        {key: record[key] for key in ("loss", "grad_norm", "lr", "epoch")},
+                    )
                 if gc_freq > 0 and self.step % gc_freq == 0:
                     gc.collect(1)
                 v = self.cfg.validation
                 if v.enable and (self.step % v.freq == 0 or self.step == last):
                     val_loss = self.validate()
-                    self.metrics.log_validation(self.step, val_loss)
+                    self.metrics.log_validation(self.step, val_loss, math.exp(min(val_loss, 50.0)))
         finally:
             if gc_freq > 0:
                 gc.enable()

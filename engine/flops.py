@@ -1,0 +1,130 @@
+"""Peak accelerator FLOPS and model FLOPS utilization (MFU).
+
+MFU as defined by PaLM (Chowdhery et al. 2022, App. B): achieved model FLOPs per second (the
+FLOPs the model needs per token, forward + backward, times tokens per second, excluding
+activation recomputation) divided by the device's peak dense FLOPS.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+
+logger = logging.getLogger("quadra")
+
+# Dense (no 2:4 sparsity) bf16 tensor-core TFLOPS from the vendors' datasheets, matched as
+# case-insensitive whole-token substrings of torch.cuda.get_device_name() (so "A40" does not match
+# "RTX A4000", nor "B200" match "GB200"). The first match wins: a multi-word pattern ("H100 NVL")
+# comes before its prefix ("H100"). GPUs without bf16 (V100, T4) are deliberately absent: MFU
+# prints n/a there unless metrics.peak_tflops is set.
+PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    # NVIDIA Blackwell
+    ("GB200", 2500.0),
+    ("B200", 2250.0),
+    ("B100", 1750.0),
+    # NVIDIA Hopper (H100 SXM reports e.g. "NVIDIA H100 80GB HBM3")
+    ("GH200", 989.0),
+    ("H200 NVL", 835.0),
+    ("H200", 989.0),
+    ("H100 NVL", 835.0),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.0),
+    ("H800 PCIe", 756.0),
+    ("H800", 989.0),
+    ("H20", 148.0),
+    # NVIDIA Ampere / Ada (AWS's A10G listed at the A10's figure)
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("A30", 165.0),
+    ("A40", 149.7),
+    ("A10G", 125.0),
+    ("A10", 125.0),
+    ("L40S", 362.0),
+    ("L40", 181.0),
+    ("L4", 121.0),
+    # AMD Instinct (reported as e.g. "AMD Instinct MI300X")
+    ("MI325X", 1307.4),
+    ("MI300X", 1307.4),
+    ("MI300A", 980.6),
+    ("MI250X", 383.0),
+    ("MI250", 362.1),
+)
+
+
+def lookup_peak_tflops(device_name: str) -> float | None:
+    """Dense bf16 TFLOPS of the first ``PEAK_BF16_TFLOPS`` entry found in ``device_name``.
+
+    A pattern matches when it occurs case-insensitively with no letter or digit right before or
+    after it ("NVIDIA A100-SXM4-80GB" matches "A100"). Returns None when nothing matches.
+    """
+    for pattern, tflops in PEAK_BF16_TFLOPS:
+        if re.search(rf"(?<![a-z0-9]){re.escape(pattern)}(?![a-z0-9])", device_name, re.IGNORECASE):
+            return tflops
+    return None
+
+
+def get_peak_flops(
+    device_type: str, device_name: str | None, override_tflops: float, *, warn_unknown: bool = True
+) -> float | None:
+    """Peak dense bf16 FLOPS (FLOP/s, not TFLOPS) of one device, or None when unknown.
+
+    Args:
+        device_type: torch device type of the training device ("cuda", "cpu", ...).
+        device_name: e.g. "NVIDIA H100 80GB HBM3"; None means ask ``torch.cuda.get_device_name()``
+            (only for device_type "cuda").
+        override_tflops: ``metrics.peak_tflops``; > 0 wins over the table on any device (also CPU),
+            0 means look it up.
+        warn_unknown: log a warning for a GPU missing from the table (off on non-logging ranks).
+
+    Returns:
+        FLOP/s, or None on CPU (without override) and for GPUs missing from the table (with a
+        warning that names ``metrics.peak_tflops``).
+
+    Raises:
+        ValueError: ``override_tflops < 0``.
+    """
+    if override_tflops < 0:
+        raise ValueError(
+            f"metrics.peak_tflops={override_tflops} must be >= 0 (0: look the GPU up in the table)"
+        )
+    if override_tflops > 0:
+        return override_tflops * 1e12
+    if device_type != "cuda":
+        # No meaningful "peak" for CPUs: MFU is reported as n/a unless the user sets one.
+        return None
+    if device_name is None:
+        device_name = torch.cuda.get_device_name()
+    tflops = lookup_peak_tflops(device_name)
+    if tflops is None:
+        if warn_unknown:
+            logger.warning(
+                "peak FLOPS of %r unknown: MFU will print n/a; set metrics.peak_tflops to the "
+                "device's dense bf16 TFLOPS to report it",
+                device_name,
+            )
+        return None
+    return tflops * 1e12
+
+
+def compute_tflops(flops_per_token: float, tokens_per_second_per_device: float) -> float:
+    """Achieved model TFLOPS per device = flops_per_token * tokens/s/device / 1e12.
+
+    ``flops_per_token`` is the training cost (forward + backward, e.g. 6N + attention, from
+    ``ModelArgs.get_nparams_and_flops``).
+    """
+    return flops_per_token * tokens_per_second_per_device / 1e12
+
+
+def compute_mfu(
+    flops_per_token: float, tokens_per_second_per_device: float, peak_flops: float | None
+) -> float | None:
+    """Model FLOPS utilization in percent (PaLM, App. B), or None when ``peak_flops`` is unknown.
+
+    mfu = 100 * flops_per_token [FLOP/token] * tokens_per_second_per_device [token/s]
+          / peak_flops [FLOP/s]
+    """
+    if peak_flops is None or peak_flops <= 0:
+        return None
+    return 100.0 * flops_per_token * tokens_per_second_per_device / peak_flops

@@ -1,0 +1,324 @@
+"""Training metrics: console line, TensorBoard scalars and a metrics.jsonl file.
+
+The trainer drives one ``MetricsLogger`` per rank::
+
+    metrics = MetricsLogger(cfg.metrics, run_folder, rank=rank, is_logging_rank=rank == 0,
+                            flops_per_token=flops_per_token, training_steps=cfg.training.steps,
+                            device=device, devices_per_dp_rank=cp * tp * pp)
+    for step in range(start + 1, steps + 1):
+        ...                                   # time the step, including waiting for data
+        metrics.record_step(tokens=n_tokens_this_rank, step_seconds=dt, data_seconds=dt_data)
+        if metrics.should_log(step):
+            metrics.log(step, {"loss": loss, "grad_norm": grad_norm, "lr": lr})
+    metrics.close()
+
+``log`` must be called on every rank (it resets the per-interval counters and CUDA peak-memory
+statistics everywhere); only the logging rank writes. Throughput counts only the recorded step
+times, so validation and checkpoint time between steps do not lower tokens/s (nor enter the ETA).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import resource
+import sys
+from typing import Any
+
+import torch
+
+from engine.flops import compute_mfu, compute_tflops, get_peak_flops
+
+logger = logging.getLogger("quadra")
+
+_GIB = float(2**30)
+
+
+def init_logging(rank: int, level: int = logging.INFO) -> logging.Logger:
+    """Send the "quadra" logger to stdout with a ``[rank<r>] `` prefix and set ``level``.
+
+    Idempotent: calling it again (e.g. in tests) replaces the handler it added before. The logger
+    still propagates to the root logger, so pytest's ``caplog`` sees its records.
+    """
+    quadra_logger = logging.getLogger("quadra")
+    for handler in list(quadra_logger.handlers):
+        if getattr(handler, "_quadra_handler", False):
+            quadra_logger.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stdout)
+    handler._quadra_handler = True  # type: ignore[attr-defined]
+    handler.setFormatter(
+        logging.Formatter(f"[rank{rank}] %(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
+    )
+    quadra_logger.addHandler(handler)
+    quadra_logger.setLevel(level)
+    return quadra_logger
+
+
+def device_memory_stats(device: torch.device | str, reset: bool = True) -> dict[str, float]:
+    """Memory figures of ``device`` in GiB (2**30 bytes).
+
+    CUDA: ``mem_peak_allocated_gib`` / ``mem_peak_reserved_gib`` (peaks since the last reset; the
+    peaks are reset afterwards when ``reset``) and ``mem_alloc_retries`` (cudaMalloc retries
+    after a cache flush: > 0 means the allocator is near OOM). CPU: ``mem_max_rss_gib``, the
+    process's maximum resident set size from ``getrusage`` (lifetime peak, cannot be reset).
+    Other device types: an empty dict.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        stats = {
+            "mem_peak_allocated_gib": torch.cuda.max_memory_allocated(device) / _GIB,
+            "mem_peak_reserved_gib": torch.cuda.max_memory_reserved(device) / _GIB,
+            "mem_alloc_retries": float(torch.cuda.memory_stats(device).get("num_alloc_retries", 0)),
+        }
+        if reset:
+            torch.cuda.reset_peak_memory_stats(device)
+        return stats
+    if device.type == "cpu":
+        max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        # Linux reports kilobytes, macOS bytes.
+        rss_bytes = max_rss if sys.platform == "darwin" else max_rss * 1024
+        return {"mem_max_rss_gib": rss_bytes / _GIB}
+    return {}
+
+
+def format_duration(seconds: float) -> str:
+    """``H:MM:SS`` with unbounded hours (e.g. 83.4 -> "0:01:23", 90000 -> "25:00:00")."""
+    total = int(round(seconds))
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+def _to_float(key: str, value: Any) -> float | None:
+    """Accept Python numbers, 0-d/1-element tensors and None; anything else is a TypeError."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise TypeError(f"metric {key!r} must be a scalar, got a tensor of shape {tuple(value.shape)}")
+        return float(value.detach().item())
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise TypeError(f"metric {key!r} must be a number, a scalar tensor or None, got {type(value).__name__}")
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    """Format ``value`` with ``spec`` (a format spec such as ".4f"); None -> "n/a"."""
+    return "n/a" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _json_safe(record: dict[str, Any]) -> dict[str, Any]:
+    """Strict JSON has no NaN/Infinity: write those as null."""
+    return {
+        k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()
+    }
+
+
+# Console format of the scalars the trainer usually passes; others use ".4g".
+_USER_FORMATS = {"loss": ".4f", "grad_norm": ".4f", "lr": ".4e"}
+# Keys computed by the logger; the trainer may not pass them.
+_COMPUTED_KEYS = (
+    "step", "kind", "tok_per_s_per_dev", "tflops_per_dev", "mfu_pct", "data_pct",
+    "step_time_s", "eta_s", "mem_peak_allocated_gib", "mem_peak_reserved_gib",
+    "mem_alloc_retries", "mem_max_rss_gib",
+)
+
+
+class MetricsLogger:
+    """Per-rank training metrics: throughput, MFU, memory, data wait, ETA; console/TB/jsonl.
+
+    Args:
+        cfg: the ``[metrics]`` section; reads ``log_freq`` (steps, > 0), ``enable_tensorboard``,
+            ``save_tb_folder`` and ``peak_tflops`` (0: table lookup, see ``engine.flops``).
+        run_folder: the run's dump folder; receives ``metrics.jsonl`` and ``<save_tb_folder>/``.
+        rank: global rank (kept for messages).
+        is_logging_rank: only this rank prints, writes TensorBoard and metrics.jsonl.
+        flops_per_token: training FLOPs per token (forward + backward) of the whole model.
+        training_steps: total optimizer steps of the run (for the ETA and the last log).
+        device: the training device; selects the memory statistics and the peak-FLOPS lookup.
+        devices_per_dp_rank: devices that process the same tokens of one data-parallel rank
+            (cp * tp * pp); tokens/s/device = tokens of this rank / seconds / this number.
+
+    Raises:
+        ValueError: ``metrics.log_freq`` <= 0, ``devices_per_dp_rank`` < 1,
+            ``metrics.peak_tflops`` < 0.
+    """
+
+    def __init__(
+        self, cfg, run_folder: str, *, rank: int, is_logging_rank: bool, flops_per_token: float,
+        training_steps: int, device: torch.device | str = "cpu", devices_per_dp_rank: int = 1,
+    ) -> None:
+        if cfg.log_freq <= 0:
+            raise ValueError(f"metrics.log_freq={cfg.log_freq} must be > 0 (log every N steps)")
+        if devices_per_dp_rank < 1:
+            raise ValueError(f"devices_per_dp_rank={devices_per_dp_rank} must be >= 1 (cp * tp * pp)")
+        self.cfg = cfg
+        self.rank = rank
+        self.is_logging_rank = is_logging_rank
+        self.flops_per_token = flops_per_token
+        self.training_steps = training_steps
+        self.device = torch.device(device)
+        self.devices_per_dp_rank = devices_per_dp_rank
+        # Every rank computes it (so records agree), only the logging rank warns about it.
+        device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
+        self.peak_flops = get_peak_flops(
+            self.device.type, device_name, cfg.peak_tflops, warn_unknown=is_logging_rank
+        )
+        if is_logging_rank and self.peak_flops is not None:
+            logger.info("peak bf16 FLOPS per device for MFU: %.1f TFLOPS", self.peak_flops / 1e12)
+        self._reset_interval()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+        self._jsonl = None
+        self._tb = None
+        if is_logging_rank:
+            os.makedirs(run_folder, exist_ok=True)
+            # Append: a resumed run continues the same file.
+            self._jsonl = open(os.path.join(run_folder, "metrics.jsonl"), "a", encoding="utf-8")
+            if cfg.enable_tensorboard:
+                # Imported lazily: tensorboard is slow to import and only the logging rank needs it.
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(log_dir=os.path.join(run_folder, cfg.save_tb_folder))
+
+    def _reset_interval(self) -> None:
+        self._steps = 0
+        self._tokens = 0
+        self._seconds = 0.0
+        self._data_seconds = 0.0
+
+    def should_log(self, step: int) -> bool:
+        """True at step 1, every ``log_freq`` steps and at the final step (1-based steps)."""
+        return step == 1 or step % self.cfg.log_freq == 0 or step == self.training_steps
+
+    def record_step(self, *, tokens: int, step_seconds: float, data_seconds: float = 0.0) -> None:
+        """Add one optimizer step to the current log interval.
+
+        Args:
+            tokens: input tokens this rank processed in the step (all microbatches).
+            step_seconds: wall seconds of the whole step, data waiting included.
+            data_seconds: wall seconds of it spent waiting for batches.
+        """
+        if tokens < 0 or step_seconds < 0 or data_seconds < 0:
+            raise ValueError(
+                f"record_step needs non-negative values, got tokens={tokens}, "
+                f"step_seconds={step_seconds}, data_seconds={data_seconds}"
+            )
+        self._steps += 1
+        self._tokens += tokens
+        self._seconds += step_seconds
+        self._data_seconds += data_seconds
+
+    def _interval_metrics(self, step: int) -> dict[str, float | None]:
+        """Throughput, MFU, data wait and ETA over the steps recorded since the last ``log``."""
+        if self._steps == 0 or self._seconds <= 0:
+            tps = tflops = mfu = data_pct = step_time = eta = None
+        else:
+            tps = self._tokens / self._seconds / self.devices_per_dp_rank
+            tflops = compute_tflops(self.flops_per_token, tps)
+            mfu = compute_mfu(self.flops_per_token, tps, self.peak_flops)
+            data_pct = 100.0 * self._data_seconds / self._seconds
+            step_time = self._seconds / self._steps
+            eta = step_time * max(self.training_steps - step, 0)
+        return {
+            "tok_per_s_per_dev": tps, "tflops_per_dev": tflops, "mfu_pct": mfu,
+            "data_pct": data_pct, "step_time_s": step_time, "eta_s": eta,
+        }
+
+    def log(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        """Close the log interval at ``step``: print, write TensorBoard and metrics.jsonl.
+
+        Args:
+            step: 1-based optimizer step just finished.
+            metrics: scalars from the trainer, typically ``loss`` (global mean per token),
+                ``grad_norm`` and ``lr``; floats, ints, scalar tensors or None (printed "n/a").
+
+        Returns:
+            The full record (also on non-logging ranks): ``step``, the trainer's metrics and
+            ``tok_per_s_per_dev``, ``tflops_per_dev``, ``mfu_pct``, ``data_pct``,
+            ``step_time_s``, ``eta_s`` and the ``mem_*`` keys of ``device_memory_stats``
+            (None where unknown).
+
+        Raises:
+            ValueError: a metric key that the logger computes itself; TypeError: a non-scalar.
+        """
+        clash = sorted(set(metrics) & set(_COMPUTED_KEYS))
+        if clash:
+            raise ValueError(f"metrics keys {clash} are computed by MetricsLogger; rename them")
+        record: dict[str, Any] = {"step": step}
+        record.update({k: _to_float(k, v) for k, v in metrics.items()})
+        record.update(self._interval_metrics(step))
+        record.update(device_memory_stats(self.device, reset=True))
+        self._reset_interval()
+        if self.is_logging_rank:
+            logger.info(self._console_line(record, list(metrics)))
+            self._write("train", record)
+        return record
+
+    def _console_line(self, record: dict[str, Any], user_keys: list[str]) -> str:
+        """``step: 12  loss: 5.4321  ...  eta: 0:01:23`` (two spaces between pairs)."""
+        ordered = [k for k in _USER_FORMATS if k in user_keys]
+        ordered += [k for k in user_keys if k not in _USER_FORMATS]
+        parts = [f"step: {record['step']}"]
+        parts += [f"{k}: {_fmt(record[k], _USER_FORMATS.get(k, '.4g'))}" for k in ordered]
+        tps = record["tok_per_s_per_dev"]
+        parts.append(f"tok/s/dev: {'n/a' if tps is None else f'{round(tps):,}'}")
+        parts.append(f"tflops: {_fmt(record['tflops_per_dev'], '.2f')}")
+        parts.append(f"mfu: {_fmt(record['mfu_pct'], '.2f', '%')}")
+        # CUDA: peak reserved (what the caching allocator took from the device, the figure that
+        # hits OOM); CPU: the process's max RSS.
+        mem = record.get("mem_peak_reserved_gib", record.get("mem_max_rss_gib"))
+        parts.append(f"mem: {_fmt(mem, '.2f', 'GiB')}")
+        parts.append(f"data: {_fmt(record['data_pct'], '.1f', '%')}")
+        eta = record["eta_s"]
+        parts.append(f"eta: {'n/a' if eta is None else format_duration(eta)}")
+        return "  ".join(parts)
+
+    def _write(self, kind: str, record: dict[str, Any]) -> None:
+        """Append one JSON line (flushed) and the numeric values as TensorBoard scalars."""
+        step = record["step"]
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(_json_safe({"kind": kind, **record})) + "\n")
+            self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and value is not None:
+                    self._tb.add_scalar(f"{kind}/{key}", value, step)
+            self._tb.flush()
+
+    def log_validation(self, step: int, loss: float, perplexity: float) -> dict[str, Any]:
+        """Report a validation result: console ``step: N  val_loss: x  val_perplexity: y``,
+        TensorBoard ``validation/loss``, ``validation/perplexity`` and a jsonl line of kind
+        "validation". ``loss`` is the mean per-token cross-entropy (nats), ``perplexity`` its exp.
+        Returns the record {"step", "loss", "perplexity"} on every rank.
+        """
+        record = {
+            "step": step,
+            "loss": _to_float("loss", loss),
+            "perplexity": _to_float("perplexity", perplexity),
+        }
+        if self.is_logging_rank:
+            logger.info(
+                f"step: {step}  val_loss: {_fmt(record['loss'], '.4f')}  "
+                f"val_perplexity: {_fmt(record['perplexity'], '.2f')}"
+            )
+            self._write("validation", record)
+        return record
+
+    def close(self) -> None:
+        """Flush and close metrics.jsonl and the TensorBoard writer (safe to call twice)."""
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
