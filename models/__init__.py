@@ -1,0 +1,22 @@
+"""Model registry and model families. Importing this package registers every built-in model."""
+
+from models.registry import (
+    ModelArgs,
+    ModelSpec,
+    get_model_args,
+    get_model_spec,
+    list_model_names,
+    register_model_spec,
+)
+
+# Imported for its side effect: registers the "llama" spec.
+from models import llama  # noqa: E402,F401
+
+__all__ = [
+    "ModelArgs",
+    "ModelSpec",
+    "get_model_args",
+    "get_model_spec",
+    "list_model_names",
+    "register_model_spec",
+]

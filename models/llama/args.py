@@ -1,0 +1,143 @@
+"""Hyper-parameters of the LLaMA-3 family and their parameter / FLOP accounting."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+__all__ = ["LlamaModelArgs", "ffn_hidden_dim"]
+
+
+def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
+    """Hidden width of the SwiGLU feed-forward, as in Meta's LLaMA reference code.
+
+    hidden = int(2 * 4 * dim / 3) (SwiGLU keeps the parameter count of a 4*dim GELU MLP, Shazeer
+    2020), scaled by `ffn_dim_multiplier` if set, then rounded *up* to a multiple of `multiple_of`.
+    E.g. dim 4096, multiplier 1.3, multiple_of 1024 -> 14336 (LLaMA-3 8B).
+    """
+    hidden = int(2 * 4 * dim / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+@dataclass
+class LlamaModelArgs:
+    """LLaMA-3 architecture settings (Grattafiori et al. 2024, "The Llama 3 Herd of Models").
+
+    Attributes:
+        dim: model (residual stream) width.
+        n_layers: number of transformer blocks.
+        n_heads: query heads; head_dim = dim // n_heads.
+        n_kv_heads: key/value heads for grouped-query attention; None means n_heads (plain MHA).
+        vocab_size: rows of the embedding and of the output projection (tokens).
+        multiple_of: the SwiGLU hidden width is rounded up to a multiple of this.
+        ffn_dim_multiplier: optional factor on the SwiGLU hidden width (None = 1).
+        norm_eps: RMSNorm epsilon.
+        rope_theta: RoPE base frequency (Su et al. 2021); LLaMA-3 uses 500000.
+        max_seq_len: longest sequence (tokens) the RoPE tables cover.
+        tie_embeddings: share one [vocab, dim] matrix between tok_embeddings and output.
+        depth_init: True: output projections (wo, w2, w3) of block i get init std
+            0.02 / sqrt(2 * (i + 1)); False: 0.02 / sqrt(2 * n_layers) for every block (TorchTitan).
+    """
+
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None
+    vocab_size: int = 128256
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    depth_init: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head (dim // n_heads)."""
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Number of key/value heads with the None default resolved."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """SwiGLU hidden width (see `ffn_hidden_dim`)."""
+        return ffn_hidden_dim(self.dim, self.multiple_of, self.ffn_dim_multiplier)
+
+    def validate(self) -> None:
+        """Check that the settings describe a buildable model.
+
+        Raises:
+            ValueError: naming the field, its value and what it must satisfy.
+        """
+        for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"LlamaModelArgs.{name}={value!r} must be a positive integer")
+        if self.n_kv_heads is not None and (
+            not isinstance(self.n_kv_heads, int) or self.n_kv_heads <= 0
+        ):
+            raise ValueError(
+                f"LlamaModelArgs.n_kv_heads={self.n_kv_heads!r} must be a positive integer or None"
+            )
+        if self.dim % self.n_heads != 0:
+            raise ValueError(
+                f"LlamaModelArgs.dim={self.dim} is not divisible by n_heads={self.n_heads}; "
+                f"choose n_heads dividing dim so that every head has dim // n_heads channels"
+            )
+        if self.n_heads % self.kv_heads != 0:
+            raise ValueError(
+                f"LlamaModelArgs.n_heads={self.n_heads} is not divisible by "
+                f"n_kv_heads={self.kv_heads}; grouped-query attention shares each key/value head "
+                f"between n_heads // n_kv_heads query heads"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(
+                f"LlamaModelArgs head_dim = dim // n_heads = {self.head_dim} is odd; RoPE rotates "
+                f"channel pairs, so choose dim and n_heads with an even head_dim"
+            )
+        if self.ffn_dim_multiplier is not None and not self.ffn_dim_multiplier > 0:
+            raise ValueError(
+                f"LlamaModelArgs.ffn_dim_multiplier={self.ffn_dim_multiplier!r} must be > 0 or None"
+            )
+        if not self.norm_eps > 0:
+            raise ValueError(f"LlamaModelArgs.norm_eps={self.norm_eps!r} must be > 0")
+        if not self.rope_theta > 0:
+            raise ValueError(f"LlamaModelArgs.rope_theta={self.rope_theta!r} must be > 0")
+
+    def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
+        """Parameter count and training FLOPs per token of `model` (a Transformer or a stage of it).
+
+        FLOPs/token = 6 * N_nonembedding + 12 * L * n_heads * head_dim * seq_len
+        (PaLM, Chowdhery et al. 2022, appendix B; as in TorchTitan): 6 = 2 (multiply-add) x 3
+        (forward + backward for inputs and weights) per weight; the second term is the
+        QK^T and PV matmuls, counted without the causal-mask saving. L is the number of blocks
+        present in `model` (all n_layers for the full model, fewer for a pipeline stage).
+
+        N_nonembedding leaves out tok_embeddings, a lookup without FLOPs; with tied embeddings the
+        shared matrix is counted once in nparams and kept in N_nonembedding, because it still
+        does the output projection's matmul. Works on meta-device and DTensor parameters (numel
+        is the global size).
+
+        Returns:
+            (nparams, flops_per_token): unique parameters (a tied matrix once), FLOPs per token.
+        Raises:
+            ValueError: seq_len not positive.
+        """
+        if seq_len <= 0:
+            raise ValueError(f"seq_len={seq_len} must be positive (tokens per sequence)")
+        nparams = sum(p.numel() for p in model.parameters())  # parameters() de-duplicates ties
+        tok = getattr(model, "tok_embeddings", None)
+        n_embedding = 0
+        if tok is not None and not self.tie_embeddings:
+            n_embedding = sum(p.numel() for p in tok.parameters())
+        layers = getattr(model, "layers", None)
+        n_layers = len(layers) if layers is not None else self.n_layers
+        attention = 12 * n_layers * self.n_heads * self.head_dim * seq_len
+        return nparams, 6 * (nparams - n_embedding) + attention

@@ -1,0 +1,306 @@
+"""LLaMA-3 decoder-only transformer, single-device code that parallelisms can slice and shard.
+
+Architecture (Touvron et al. 2023; Grattafiori et al. 2024): token embedding -> n_layers x
+[x + Attn(RMSNorm(x)); h + SwiGLU(RMSNorm(h))] -> RMSNorm -> output projection. Attention uses
+RoPE (Su et al. 2021) and grouped-query attention (Ainslie et al. 2023).
+
+Layout rules (DESIGN.md rules 4 and 5): blocks live in `layers`, an nn.ModuleDict keyed "0".."L-1"
+so parameter names survive pipeline splits; `tok_embeddings`, `norm` and `output` may be set to
+None on pipeline stages. Attention infers its local head count from the tensors it sees (view with
+-1), so tensor parallel can shard heads without touching this file.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.init_utils import _init_tensor_, init_generator
+from models.llama.args import LlamaModelArgs
+
+__all__ = ["Transformer", "TransformerBlock", "Attention", "FeedForward", "precompute_rope", "apply_rope"]
+
+
+def precompute_rope(
+    head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE tables as real cos/sin (no complex dtype: friendlier to DTensor and torch.compile).
+
+    angle[p, i] = p * theta^(-2i / head_dim), for position p < max_seq_len and pair i < head_dim/2.
+    Computed in float64 (positions up to 131072 lose ~1e-2 rad in float32), returned as float32.
+
+    Returns:
+        (cos, sin), each float32 [max_seq_len, head_dim // 2] on `device` (default device if None).
+    """
+    pair = torch.arange(0, head_dim, 2, device=device, dtype=torch.float64)
+    inv_freq = 1.0 / (theta ** (pair / head_dim))
+    positions = torch.arange(max_seq_len, device=device, dtype=torch.float64)
+    angles = torch.outer(positions, inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (2i, 2i+1) of `x` by the angles in cos/sin (Meta's interleaved layout).
+
+    Args:
+        x: [B, S, H, head_dim] queries or keys.
+        cos, sin: [S, head_dim // 2] float32 tables for the S positions of `x`.
+    Returns:
+        [B, S, H, head_dim] in the dtype of `x` (the rotation itself runs in float32).
+    """
+    pairs = x.float().unflatten(-1, (-1, 2))  # [B, S, H, head_dim/2, 2]
+    x0, x1 = pairs.unbind(-1)
+    cos = cos[None, :, None, :]
+    sin = sin[None, :, None, :]
+    rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+def _trunc_normal(std: float, cutoff: float | None = None):
+    """Filler for `_init_tensor_`: truncated normal(0, std) cut at +-cutoff*std (default +-2)."""
+    a, b = (-2.0, 2.0) if cutoff is None else (-cutoff * std, cutoff * std)
+    return lambda t, g: nn.init.trunc_normal_(t, mean=0.0, std=std, a=a, b=b, generator=g)
+
+
+def _init_linear(linear: nn.Linear, std: float, seed: int, name: str) -> None:
+    """Init `linear.weight` (named `name` in the full model) with trunc_normal(0, std)."""
+    _init_tensor_(linear.weight, _trunc_normal(std), init_generator(seed, f"{name}.weight"))
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with RoPE.
+
+    Weights: wq [n_heads*head_dim, dim], wk/wv [n_kv_heads*head_dim, dim], wo [dim, n_heads*head_dim].
+    """
+
+    def __init__(self, args: LlamaModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [B, S, dim]; cos/sin: [S, head_dim // 2]. Returns [B, S, dim]."""
+        bs, seqlen, _ = x.shape
+        # -1, not n_heads: under tensor parallel each rank holds only its share of the heads.
+        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        xq, xk = apply_rope(xq, cos, sin), apply_rope(xk, cos, sin)
+        n_rep = xq.shape[2] // xk.shape[2]
+        if n_rep > 1:
+            # Explicit repeat instead of SDPA's enable_gqa: every backend (incl. the CPU flash
+            # kernel and hand-written ring attention) then sees plain multi-head tensors.
+            xk = xk.repeat_interleave(n_rep, dim=2)
+            xv = xv.repeat_interleave(n_rep, dim=2)
+        out = F.scaled_dot_product_attention(
+            xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), is_causal=True
+        )  # [B, H, S, head_dim]
+        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+
+    def init_weights(self, init_std: float, seed: int, prefix: str) -> None:
+        """wq/wk/wv ~ trunc_normal(0.02); wo ~ trunc_normal(init_std) (TorchTitan's scheme)."""
+        for name in ("wq", "wk", "wv"):
+            _init_linear(getattr(self, name), 0.02, seed, f"{prefix}.{name}")
+        _init_linear(self.wo, init_std, seed, f"{prefix}.wo")
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP (Shazeer 2020): w2(silu(w1 x) * w3 x); w1/w3 [hidden, dim], w2 [dim, hidden]."""
+
+    def __init__(self, args: LlamaModelArgs):
+        super().__init__()
+        hidden = args.ffn_hidden_dim
+        self.w1 = nn.Linear(args.dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, args.dim, bias=False)
+        self.w3 = nn.Linear(args.dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, S, dim] -> [B, S, dim]."""
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, init_std: float, seed: int, prefix: str) -> None:
+        """w1 ~ trunc_normal(0.02); w2, w3 ~ trunc_normal(init_std) (TorchTitan's scheme)."""
+        _init_linear(self.w1, 0.02, seed, f"{prefix}.w1")
+        _init_linear(self.w2, init_std, seed, f"{prefix}.w2")
+        _init_linear(self.w3, init_std, seed, f"{prefix}.w3")
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: h = x + attention(attention_norm(x)); out = h + feed_forward(ffn_norm(h))."""
+
+    def __init__(self, layer_id: int, args: LlamaModelArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        # Residual-branch outputs get a smaller std so the residual stream does not grow with depth.
+        depth = (layer_id + 1) if args.depth_init else args.n_layers
+        self.weight_init_std = 0.02 / math.sqrt(2 * depth)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [B, S, dim]; cos/sin: [S, head_dim // 2]. Returns [B, S, dim]."""
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self, seed: int = 0) -> None:
+        """Init this block from (seed, layer_id) only, so any pipeline layout gets equal weights."""
+        prefix = f"layers.{self.layer_id}"
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.weight_init_std, seed, f"{prefix}.attention")
+        self.feed_forward.init_weights(self.weight_init_std, seed, f"{prefix}.feed_forward")
+
+
+class Transformer(nn.Module):
+    """LLaMA-3 model, or a pipeline stage of it (some of tok_embeddings/norm/output set to None).
+
+    Build on the meta device, parallelize, then `to_empty(device=...)` and `init_weights(seed)`.
+    With `tie_embeddings`, `output.weight is tok_embeddings.weight` (re-tied after `.to()` /
+    `to_empty()`, which would otherwise create two separate parameters).
+
+    Raises:
+        ValueError: from `LlamaModelArgs.validate()` for inconsistent settings.
+    """
+
+    def __init__(self, model_args: LlamaModelArgs):
+        super().__init__()
+        model_args.validate()
+        self.model_args = model_args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(model_args.vocab_size, model_args.dim)
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(i, model_args) for i in range(model_args.n_layers)}
+        )
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(model_args.dim, eps=model_args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
+        self._tie_weights()
+        # Non-persistent: derived from the args, so checkpoints need not carry (or reshard) them.
+        cos, sin = precompute_rope(model_args.head_dim, model_args.max_seq_len, model_args.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def _tie_weights(self) -> None:
+        if self.model_args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    def _apply(self, fn, recurse=True):
+        # nn.Module._apply replaces each module's parameter separately when the tensor type
+        # changes (e.g. meta -> cpu in to_empty), which would silently untie the embeddings.
+        result = super()._apply(fn, recurse)
+        self._tie_weights()
+        return result
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the (partial) model.
+
+        Args:
+            tokens: LongTensor [B, S] token ids if this part has tok_embeddings, else the float
+                hidden state [B, S, dim] from the previous pipeline stage.
+            positions: LongTensor [S] RoPE positions of the S tokens (context parallel passes its
+                shard's positions); None means 0..S-1.
+        Returns:
+            logits [B, S, vocab_size] if this part has `output`, else the hidden state [B, S, dim].
+        Raises:
+            ValueError: wrong input rank/dtype for this part, or S > max_seq_len.
+        """
+        if self.tok_embeddings is not None:
+            if tokens.dim() != 2 or tokens.is_floating_point():
+                raise ValueError(
+                    f"this model part embeds tokens: expected integer token ids [B, S], got "
+                    f"{tokens.dtype} of shape {tuple(tokens.shape)}"
+                )
+            h = self.tok_embeddings(tokens)
+        else:
+            if tokens.dim() != 3 or not tokens.is_floating_point():
+                raise ValueError(
+                    f"this model part has no tok_embeddings: expected a float hidden state "
+                    f"[B, S, dim], got {tokens.dtype} of shape {tuple(tokens.shape)}"
+                )
+            h = tokens
+        cos, sin = self._rope_tables(h.shape[1], positions)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h
+
+    def _rope_tables(
+        self, seqlen: int, positions: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows [S, head_dim // 2] for positions 0..S-1 or the given `positions`."""
+        if positions is None:
+            if seqlen > self.model_args.max_seq_len:
+                raise ValueError(
+                    f"sequence of {seqlen} tokens exceeds the model's max_seq_len="
+                    f"{self.model_args.max_seq_len}; lower training.seq_len or use a flavor "
+                    f"with a larger max_seq_len"
+                )
+            return self.rope_cos[:seqlen], self.rope_sin[:seqlen]
+        if positions.shape != (seqlen,):
+            raise ValueError(
+                f"positions must be a LongTensor [S={seqlen}], got shape {tuple(positions.shape)}"
+            )
+        return self.rope_cos[positions], self.rope_sin[positions]
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, buffer_device: torch.device | str | None = None) -> None:
+        """Initialize every present parameter and the RoPE buffers, deterministically.
+
+        Each parameter is drawn from a generator seeded by (seed, its name in the full model), so
+        a pipeline stage or sharded copy gets the same values as the full single-device model
+        (independent of the global torch RNG). TorchTitan's scheme: tok_embeddings ~ normal(0, 1);
+        per-block scheme in TransformerBlock; norms = 1; output ~ trunc_normal(0, dim^-0.5)
+        cut at +-3 std. A tied matrix gets the output init (normal(0, 1) logits would be
+        sqrt(dim) too large).
+
+        Args:
+            seed: base seed (training.seed).
+            buffer_device: device for the RoPE tables; None keeps their current device.
+        Raises:
+            ValueError: tie_embeddings with only one of tok_embeddings/output on this part.
+        """
+        args = self.model_args
+        device = buffer_device if buffer_device is not None else self.rope_cos.device
+        self.rope_cos, self.rope_sin = precompute_rope(
+            args.head_dim, args.max_seq_len, args.rope_theta, device=device
+        )
+        out_std = args.dim**-0.5
+        if args.tie_embeddings:
+            if (self.tok_embeddings is None) != (self.output is None):
+                raise ValueError(
+                    "model.tie_embeddings=True but this model part holds only one of "
+                    "tok_embeddings/output (a pipeline split separates them); set "
+                    "model.tie_embeddings=false to use pipeline parallel"
+                )
+            if self.tok_embeddings is not None:
+                _init_tensor_(
+                    self.tok_embeddings.weight,
+                    _trunc_normal(out_std, cutoff=3.0),
+                    init_generator(seed, "tok_embeddings.weight"),
+                )
+        else:
+            if self.tok_embeddings is not None:
+                _init_tensor_(
+                    self.tok_embeddings.weight,
+                    lambda t, g: nn.init.normal_(t, mean=0.0, std=1.0, generator=g),
+                    init_generator(seed, "tok_embeddings.weight"),
+                )
+            if self.output is not None:
+                _init_tensor_(
+                    self.output.weight,
+                    _trunc_normal(out_std, cutoff=3.0),
+                    init_generator(seed, "output.weight"),
+                )
+        for layer in self.layers.values():
+            layer.init_weights(seed)
+        if self.norm is not None:
+            self.norm.reset_parameters()
