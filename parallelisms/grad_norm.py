@@ -5,6 +5,10 @@ returns the norm as a DTensor with a pending (Partial) reduction, and ``full_ten
 reduction over exactly the mesh dimensions the gradients are sharded on — replicated copies are not
 counted twice. Pipeline stages hold disjoint parameters, so their squared norms are summed over the
 pp group (passed in once pipeline parallel lands).
+
+Each tensor's norm is accumulated in float64: torch's fp32 CPU reduction sums squares sequentially and
+loses ~1e-5 relative on a 1M-element tensor, which alone would make the measured norm depend on how
+the gradients are sharded. The result is returned in fp32.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ def clip_grad_norm_(
     grads = [p.grad for p in params]
     if not grads:
         return torch.zeros(())
-    total_norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=foreach)
+    norms = [torch.linalg.vector_norm(g, 2.0, dtype=torch.float64) for g in grads]
+    total_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
     if isinstance(total_norm, DTensor):
         total_norm = total_norm.full_tensor()
     total_norm = total_norm.float()

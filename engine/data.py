@@ -1,0 +1,314 @@
+"""Stateful, data-parallel-sharded loaders of packed token windows (training and validation).
+
+Layout-independent batching: optimizer step k consumes the global window positions
+[k*G, (k+1)*G) (G = training.global_batch_size) of the position sequence described in
+engine/data_packing.py. dp rank r owns the contiguous slice [k*G + r*L*A, k*G + (r+1)*L*A) and
+yields it as A = G / (L*dp) microbatches of L = training.local_batch_size windows. The windows a
+step trains on therefore do not depend on dp, L or A, and the loader state is one global position
+plus a microbatch index.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+
+import torch
+
+from engine.data_packing import MapWindows, StreamWindows, pack_documents
+from engine.data_source import iter_text_batches, load_documents
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger("quadra.data")
+
+# Hub datasets: the validation loader reads this split (local files are a single split).
+VALIDATION_SPLIT = "validation"
+_STATE_KEYS = ("position", "microbatch", "global_batch_size", "local_batch_size", "dp_degree",
+               "seq_len", "windows_per_epoch", "shuffle", "seed", "streaming")
+
+
+def resolve_batch_sizes(local_batch_size: int, global_batch_size: int, dp_degree: int) -> tuple[int, int]:
+    """(G, A): global batch size in sequences and gradient-accumulation steps per optimizer step.
+
+    G = -1 means local_batch_size * dp_degree (A = 1).
+
+    Raises:
+        ValueError: non-positive sizes, or G not a multiple of local_batch_size * dp_degree.
+    """
+    if local_batch_size <= 0:
+        raise ValueError(f"training.local_batch_size={local_batch_size} must be > 0")
+    if dp_degree <= 0:
+        raise ValueError(f"dp degree {dp_degree} must be >= 1")
+    per_micro = local_batch_size * dp_degree
+    if global_batch_size == -1:
+        return per_micro, 1
+    if global_batch_size <= 0 or global_batch_size % per_micro:
+        raise ValueError(
+            f"training.global_batch_size={global_batch_size} must be -1 or a positive multiple of "
+            f"training.local_batch_size * dp degree = {local_batch_size} * {dp_degree} = {per_micro}; "
+            f"set it to e.g. {per_micro * max(1, global_batch_size // per_micro)}"
+        )
+    return global_batch_size, global_batch_size // per_micro
+
+
+def _split(windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    windows = windows.long()
+    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
+class PackedDataLoader:
+    """Training batches for one dp rank; resumable, and independent of the dp layout.
+
+    Use `next_batch()` `grad_accum_steps` times per optimizer step (or iterate the loader).
+
+    `state_dict()` stores the global position of the next step's first window and the index of
+    the next microbatch within that step, not anything per rank. Loading it continues at exactly
+    the next window. A state saved at a step boundary (microbatch 0) may be loaded under another
+    dp degree, local or global batch size: no window is repeated or skipped. A state saved in the
+    middle of a step needs the same layout (else ValueError). With streaming data a resume re-reads
+    and re-tokenizes the stream up to the saved position within its epoch (earlier epochs are
+    skipped unread), which costs time proportional to that position.
+
+    Args:
+        source: a `MapWindows` or `StreamWindows`.
+        seq_len, local_batch_size, global_batch_size, dp_rank, dp_degree: see `build_dataloader`.
+        seed, shuffle, streaming: recorded in the state so a mismatching resume is refused.
+    """
+
+    def __init__(self, source: MapWindows | StreamWindows, *, seq_len: int, local_batch_size: int,
+                 global_batch_size: int, dp_rank: int, dp_degree: int, seed: int, shuffle: bool,
+                 streaming: bool):
+        if not 0 <= dp_rank < dp_degree:
+            raise ValueError(f"dp rank {dp_rank} is outside [0, dp degree {dp_degree})")
+        self.source = source
+        self.seq_len = seq_len
+        self.local_batch_size = local_batch_size
+        self.global_batch_size, self.grad_accum_steps = resolve_batch_sizes(
+            local_batch_size, global_batch_size, dp_degree)
+        self.dp_rank = dp_rank
+        self.dp_degree = dp_degree
+        self.seed = seed
+        self.shuffle = shuffle
+        self.streaming = streaming
+        self._position = 0  # global position of the next step's first window
+        self._microbatch = 0  # next microbatch within that step, in [0, grad_accum_steps)
+        self._logged_epoch = 0
+
+    @property
+    def epoch(self) -> int:
+        """Epoch (0-based) of the next step's first window."""
+        return self.source.epoch_of(self._position)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next microbatch of this rank: (inputs, labels), both int64 [L, seq_len].
+
+        labels[i, t] == inputs[i, t + 1] within the window (labels are the inputs shifted by one).
+
+        Raises:
+            StopIteration: the loader is not infinite and the next full step is past the data.
+        """
+        L, A = self.local_batch_size, self.grad_accum_steps
+        step_end = self._position + self.global_batch_size - 1
+        if self._microbatch == 0 and not self.source.infinite and not self.source.ensure(step_end):
+            raise StopIteration  # drop the partial last step so every rank stops together
+        start = self._position + self.dp_rank * L * A + self._microbatch * L
+        windows = self.source.gather(range(start, start + L))
+        epoch = self.source.epoch_of(start + L - 1)
+        if epoch > self._logged_epoch:
+            logger.info("data epoch %d begins at window position %d (%s windows per epoch)",
+                        epoch, start, self.source.windows_per_epoch)
+            self._logged_epoch = epoch
+        self._microbatch += 1
+        if self._microbatch == A:
+            self._microbatch = 0
+            self._position += self.global_batch_size
+        return _split(windows)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            try:
+                batch = self.next_batch()
+            except StopIteration:
+                return
+            yield batch
+
+    def state_dict(self) -> dict:
+        """Plain ints/bools (torch.save and DCP friendly); the same on every dp rank."""
+        n = self.source.windows_per_epoch
+        return {
+            "position": self._position,
+            "microbatch": self._microbatch,
+            "global_batch_size": self.global_batch_size,
+            "local_batch_size": self.local_batch_size,
+            "dp_degree": self.dp_degree,
+            "seq_len": self.seq_len,
+            "windows_per_epoch": n if n else -1,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "streaming": self.streaming,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue where the saved loader stopped (see the class docstring for layout changes).
+
+        Raises:
+            ValueError: missing keys, or a state from different data, seq_len, shuffle or seed,
+                or a mid-step state loaded under another batch layout.
+        """
+        missing = [k for k in _STATE_KEYS if k not in state]
+        if missing:
+            raise ValueError(f"data loader state lacks {missing}; it was not made by PackedDataLoader")
+        mine = self.state_dict()
+        checks = ["seq_len", "streaming", "shuffle"] + (["seed"] if self.shuffle else [])
+        if mine["windows_per_epoch"] > 0 and state["windows_per_epoch"] > 0:
+            checks.append("windows_per_epoch")
+        for key in checks:
+            if state[key] != mine[key]:
+                raise ValueError(
+                    f"data loader state has {key}={state[key]!r} but this run has {mine[key]!r}: the "
+                    "saved positions would address other windows; resume with the same data, "
+                    "tokenizer, training.seq_len, data.shuffle and training.seed"
+                )
+        layout = ("global_batch_size", "local_batch_size", "dp_degree")
+        if state["microbatch"] and any(state[k] != mine[k] for k in layout):
+            raise ValueError(
+                f"data loader state was saved in the middle of a step (microbatch "
+                f"{state['microbatch']}) with {[(k, state[k]) for k in layout]}; resuming mid-step "
+                "needs the same training.global_batch_size, training.local_batch_size and dp "
+                "degree (save at a step boundary to change them)"
+            )
+        if not 0 <= state["microbatch"] < self.grad_accum_steps or state["position"] < 0:
+            raise ValueError(f"data loader state is corrupt: {state}")
+        if isinstance(self.source, StreamWindows):
+            self.source.rewind(state["windows_per_epoch"] if state["windows_per_epoch"] > 0 else None)
+        self._position = int(state["position"])
+        self._microbatch = int(state["microbatch"])
+        self._logged_epoch = self.epoch
+
+
+class ValidationDataLoader:
+    """Validation microbatches for one dp rank; every iteration starts at the split's beginning.
+
+    Batch k gives rank r the windows [k*L*dp + r*L, k*L*dp + (r+1)*L) in stream order (no
+    shuffle, no wrap-around). Iteration stops after `steps` batches (-1: no limit) or when the
+    next full batch over all ranks is past the end, so every rank yields the same number of
+    batches and collectives stay matched (the ragged tail is dropped).
+    """
+
+    def __init__(self, make_source: Callable[[], MapWindows | StreamWindows], *, local_batch_size: int,
+                 dp_rank: int, dp_degree: int, steps: int, streaming: bool):
+        self._make_source = make_source
+        self.streaming = streaming
+        self.local_batch_size = local_batch_size
+        self.dp_rank = dp_rank
+        self.dp_degree = dp_degree
+        self.steps = steps
+
+    @property
+    def num_batches(self) -> int | None:
+        """Batches per iteration; None for streaming data (unknown until read)."""
+        if self.streaming:
+            return None
+        source = self._make_source()
+        n = source.windows_per_epoch // (self.local_batch_size * self.dp_degree)
+        return n if self.steps < 0 else min(n, self.steps)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        source = self._make_source()
+        L, per_batch = self.local_batch_size, self.local_batch_size * self.dp_degree
+        k = 0
+        while self.steps < 0 or k < self.steps:
+            if not source.ensure((k + 1) * per_batch - 1):
+                return
+            start = k * per_batch + self.dp_rank * L
+            yield _split(source.gather(range(start, start + L)))
+            k += 1
+
+
+def _make_source(path: str, setting: str, data_cfg, tokenizer: Tokenizer, *, split: str, seq_len: int,
+                 shuffle: bool, seed: int, infinite: bool) -> Callable[[], MapWindows | StreamWindows]:
+    """Read `path` and return a factory of fresh window sources (the packed stream is shared)."""
+    if seq_len <= 0:
+        raise ValueError(f"training.seq_len={seq_len} must be > 0")
+    where = f"{setting}={path!r}"
+    ds = load_documents(path, text_column=data_cfg.text_column, split=split,
+                        streaming=data_cfg.streaming, setting=setting)
+    if data_cfg.streaming:
+        def make() -> StreamWindows:
+            source = StreamWindows(lambda: iter_text_batches(ds, data_cfg.text_column), tokenizer,
+                                   seq_len, infinite=infinite, where=where)
+            source.ensure(0)  # fail now if not one window fits
+            return source
+        return make
+    stream = pack_documents(iter_text_batches(ds, data_cfg.text_column, batch_size=1024), tokenizer)
+    source = MapWindows(stream, seq_len, shuffle=shuffle, seed=seed, infinite=infinite, where=where)
+    logger.info("%s: %d documents, %d tokens, %d windows of seq_len + 1 = %d tokens", where, len(ds),
+                len(stream), source.windows_per_epoch, seq_len + 1)
+    return lambda: source
+
+
+def build_dataloader(data_cfg, tokenizer: Tokenizer, *, seq_len: int, local_batch_size: int,
+                     global_batch_size: int, dp_rank: int, dp_degree: int, seed: int,
+                     infinite: bool = True) -> PackedDataLoader:
+    """The training loader of one dp rank.
+
+    Args:
+        data_cfg: the `[data]` section (path, text_column, split, streaming, shuffle).
+        tokenizer: see engine/tokenizer.py; needs bos and eos ids.
+        seq_len: S, tokens per sequence (training.seq_len).
+        local_batch_size: L, sequences per microbatch on this rank.
+        global_batch_size: G, sequences per optimizer step over all dp ranks; -1 = L * dp_degree.
+        dp_rank, dp_degree: this rank's index in, and the size of, the data-parallel group.
+        seed: shuffle seed (training.seed); the order of epoch e is a permutation seeded by (seed, e).
+        infinite: continue into the next epoch when one ends (else stop after the last full step).
+
+    Returns:
+        a `PackedDataLoader` yielding (inputs, labels) int64 [L, S] microbatches.
+
+    Raises:
+        FileNotFoundError, ValueError: bad path, empty data, missing column, data shorter than one
+            window, or batch sizes that do not divide (see `resolve_batch_sizes`).
+    """
+    resolve_batch_sizes(local_batch_size, global_batch_size, dp_degree)  # fail before reading data
+    shuffle = bool(data_cfg.shuffle) and not data_cfg.streaming
+    if data_cfg.shuffle and data_cfg.streaming:
+        logger.info("data.shuffle applies to map-style data only: streaming reads documents in order")
+    make = _make_source(data_cfg.path, "data.path", data_cfg, tokenizer, split=data_cfg.split,
+                        seq_len=seq_len, shuffle=shuffle, seed=seed, infinite=infinite)
+    loader = PackedDataLoader(make(), seq_len=seq_len, local_batch_size=local_batch_size,
+                              global_batch_size=global_batch_size, dp_rank=dp_rank,
+                              dp_degree=dp_degree, seed=seed, shuffle=shuffle,
+                              streaming=bool(data_cfg.streaming))
+    logger.info("data: global batch %d = dp %d x local %d x %d accumulation steps",
+                loader.global_batch_size, dp_degree, local_batch_size, loader.grad_accum_steps)
+    return loader
+
+
+def build_validation_dataloader(validation_cfg, data_cfg, tokenizer: Tokenizer, *, seq_len: int,
+                                local_batch_size: int, dp_rank: int, dp_degree: int) -> ValidationDataLoader:
+    """The validation loader of one dp rank (see `ValidationDataLoader`).
+
+    Reads `validation_cfg.path` with `data_cfg.text_column` and `data_cfg.streaming`; hub datasets
+    use the split named by VALIDATION_SPLIT ("validation").
+
+    Raises:
+        FileNotFoundError, ValueError: as `build_dataloader`; validation.steps not -1 or > 0; a split
+            with fewer than local_batch_size * dp_degree windows (not one batch).
+    """
+    steps = validation_cfg.steps
+    if steps == 0 or steps < -1:
+        raise ValueError(f"validation.steps={steps} must be -1 (whole split) or > 0")
+    if local_batch_size <= 0 or not 0 <= dp_rank < dp_degree:
+        raise ValueError(f"training.local_batch_size={local_batch_size} must be > 0 and dp rank "
+                         f"{dp_rank} in [0, dp degree {dp_degree})")
+    make = _make_source(validation_cfg.path, "validation.path", data_cfg, tokenizer,
+                        split=VALIDATION_SPLIT, seq_len=seq_len, shuffle=False, seed=0, infinite=False)
+    loader = ValidationDataLoader(make, local_batch_size=local_batch_size, dp_rank=dp_rank,
+                                  dp_degree=dp_degree, steps=steps, streaming=bool(data_cfg.streaming))
+    if not make().ensure(local_batch_size * dp_degree - 1):
+        raise ValueError(
+            f"validation.path={validation_cfg.path!r} holds fewer than training.local_batch_size * "
+            f"dp degree = {local_batch_size * dp_degree} windows of {seq_len + 1} tokens, not one "
+            "validation batch; use a larger split or a smaller local_batch_size/seq_len"
+        )
+    return loader
