@@ -326,6 +326,8 @@ def _range_problems(cfg: JobConfig) -> list[str]:
         (o.eps <= 0, "optimizer.eps", o.eps, "must be > 0"),
         (o.weight_decay < 0, "optimizer.weight_decay", o.weight_decay, "must be >= 0"),
         (s.warmup_steps < 0, "lr_scheduler.warmup_steps", s.warmup_steps, "must be >= 0"),
+        (t.steps > 0 and s.warmup_steps >= t.steps, "lr_scheduler.warmup_steps", s.warmup_steps,
+         f"must be < training.steps = {t.steps}; lower the warmup or train longer"),
         (not 0 <= s.decay_ratio <= 1, "lr_scheduler.decay_ratio", s.decay_ratio, "must be in [0, 1]"),
         (s.min_lr < 0, "lr_scheduler.min_lr", s.min_lr, "must be >= 0"),
         (s.min_lr > o.lr, "lr_scheduler.min_lr", s.min_lr,

@@ -89,10 +89,15 @@ def _no_download_counting():
     """
     old = datasets.config.HF_UPDATE_DOWNLOAD_COUNTS
     datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
+    # One progress bar per rank per load only clutters the training log.
+    bars_were_on = datasets.utils.logging.is_progress_bar_enabled()
+    datasets.utils.logging.disable_progress_bar()
     try:
         yield
     finally:
         datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = old
+        if bars_were_on:
+            datasets.utils.logging.enable_progress_bar()
 
 
 def _check_columns(columns: list[str], text_column: str, path: str, setting: str, column_setting: str):

@@ -92,6 +92,20 @@ class Trainer:
         )
         self.grad_accum_steps = self.dataloader.grad_accum_steps
         self.tokenizer = tokenizer
+        self._val_loader = None
+        if self.cfg.validation.enable:  # built now so a bad validation.path fails before training
+            self._build_validation_loader()
+
+    def _build_validation_loader(self) -> None:
+        self._val_loader = build_validation_dataloader(
+            self.cfg.validation,
+            self.cfg.data,
+            self.tokenizer,
+            seq_len=self.cfg.training.seq_len,
+            local_batch_size=self.cfg.training.local_batch_size,
+            dp_rank=self.dp_rank,
+            dp_degree=self.parallel_dims.dp,
+        )
 
     def _build_model(self) -> list[torch.nn.Module]:
         cfg = self.cfg
@@ -216,20 +230,12 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> float:
         """Mean token loss (nats) over ``validation.steps`` batches of the validation split."""
-        v = self.cfg.validation
-        loader = build_validation_dataloader(
-            v,
-            self.cfg.data,
-            self.tokenizer,
-            seq_len=self.cfg.training.seq_len,
-            local_batch_size=self.cfg.training.local_batch_size,
-            dp_rank=self.dp_rank,
-            dp_degree=self.parallel_dims.dp,
-        )
+        if self._val_loader is None:  # each iteration of the loader restarts the split
+            self._build_validation_loader()
         model = self.model_parts[0]
         model.eval()
         totals = torch.zeros(2, device=self.device, dtype=torch.float64)
-        for inputs, labels in loader:
+        for inputs, labels in self._val_loader:
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             with self._autocast():
                 logits = model(inputs)

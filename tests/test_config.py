@@ -382,7 +382,7 @@ def test_debug_model_spells_out_every_key():
     assert keys == set(CONFIG_KEYS) - {"job.config_file"}
     cfg = load_config(["--job.config_file", str(REPO / "train_configs" / "debug_model.toml")])
     t, s, v = cfg.training, cfg.lr_scheduler, cfg.validation
-    assert (cfg.model.flavor, t.steps, t.local_batch_size, t.seq_len) == ("debugmodel", 100, 8, 256)
+    assert (cfg.model.flavor, t.steps, t.local_batch_size, t.seq_len) == ("debugmodel", 100, 4, 256)
     assert (cfg.optimizer.lr, s.warmup_steps, s.decay_type, s.min_lr) == (8e-4, 10, "cosine", 8e-5)
     assert (v.enable, v.freq, v.steps, cfg.metrics.log_freq) == (True, 50, 5, 10)
     assert cfg.parallelism.dp_shard == -1

@@ -11,15 +11,7 @@ import pytest
 from tests.dist_utils import run_distributed
 from tests.training_utils import assert_parity, base_args, train_and_record
 
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """One process, global batch 8 in one microbatch."""
-    folder = tmp_path_factory.mktemp("single")
-    (history,) = run_distributed(train_and_record, 1, base_args(str(folder)), torchrun_env=False)
-    losses = [loss for loss, _ in history]
-    assert losses[-1] < losses[0], f"the reference run did not learn: {losses}"
-    return history
+# The single-process reference is the session fixture `reference` (tests/conftest.py).
 
 
 LAYOUTS = {

@@ -1,0 +1,18 @@
+"""Session fixtures shared by the training tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist_utils import run_distributed
+from tests.training_utils import base_args, train_and_record
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """[(loss, grad_norm)] of the 5-step single-process run (no process group, one microbatch of 8)."""
+    folder = tmp_path_factory.mktemp("single")
+    (history,) = run_distributed(train_and_record, 1, base_args(str(folder)), torchrun_env=False)
+    losses = [loss for loss, _ in history]
+    assert losses[-1] < losses[0], f"the reference run did not learn: {losses}"
+    return history
