@@ -17,7 +17,11 @@ logger = logging.getLogger("quadra")
 def _fail(rank: int, kind: str, error: BaseException, code: int) -> int:
     if os.environ.get("QUADRA_TRACEBACK"):
         logger.exception("%s", kind)
-    print(f"[rank{rank}] {kind}: {error}", file=sys.stderr, flush=True)
+    # Every line carries the rank prefix, so multi-line messages stay readable when ranks interleave.
+    lines = f"{kind}: {error}".splitlines()
+    # One write call: ranks share the terminal, and a write under 4 KiB to a pipe is not interleaved.
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), "".join(f"[rank{rank}] {line}\n" for line in lines).encode())
     return code
 
 
