@@ -223,6 +223,11 @@ def _lookup(section: str, key: str, where: str) -> dataclasses.Field:
     raise ConfigError(f"unknown key '{section}.{key}' in {where}; {hint} (see --help for every key)")
 
 
+def _default(f: dataclasses.Field) -> Any:
+    """A field's default value, also for list fields (which use a default_factory)."""
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
 def _check_native(key: str, value: Any, f: dataclasses.Field) -> Any:
     """Type-check a TOML (or in-memory) value for field ``f``; ints widen to float. -> the value."""
     typ = f.type
@@ -237,6 +242,10 @@ def _check_native(key: str, value: Any, f: dataclasses.Field) -> Any:
         if ok:
             value = float(value)
             ok = math.isfinite(value)
+    elif typ == list[str]:
+        ok = isinstance(value, list) and all(isinstance(item, str) for item in value)
+        if ok:
+            value = list(value)
     elif typ is str:
         ok = isinstance(value, str)
         if not ok and f.metadata.get("int_ok") and isinstance(value, int) and not isinstance(value, bool):
@@ -245,7 +254,7 @@ def _check_native(key: str, value: Any, f: dataclasses.Field) -> Any:
         shown = _toml_value(value) if isinstance(value, (bool, int, float, str)) else repr(value)
         expected = "a finite float (ints are accepted)" if typ is float else f"a{'n' * (typ is int)} {typ.__name__}"
         raise ConfigError(f"{key} = {shown} has type {type(value).__name__}, expected {expected}. "
-                          f"Fix: write e.g. {key} = {_toml_value(f.default)}")
+                          f"Fix: write e.g. {key} = {_toml_value(_default(f))}")
     return _check_choice(key, value, f)
 
 
@@ -258,6 +267,9 @@ def _parse_cli_value(key: str, text: str, f: dataclasses.Field) -> Any:
             if word not in _TRUE_WORDS + _FALSE_WORDS:
                 raise ValueError(text)
             value: Any = word in _TRUE_WORDS
+        elif typ == list[str]:
+            # A list on the command line is comma-separated: --parallelism.pp_split_points layers.4,layers.8
+            value = [item.strip() for item in text.split(",") if item.strip()]
         elif typ is float:
             # float() takes "nan"/"inf"; no hyperparameter here means either, so refuse them.
             value = float(text)
@@ -268,7 +280,7 @@ def _parse_cli_value(key: str, text: str, f: dataclasses.Field) -> Any:
     except ValueError:
         words = " (true/false, 1/0, yes/no)" if typ is bool else ""
         raise ConfigError(f"{key} = {text!r} from the command line is not a valid {typ.__name__}"
-                          f"{words}. Fix: e.g. --{key} {_cli_value(f.default)}") from None
+                          f"{words}. Fix: e.g. --{key} {_cli_value(_default(f))}") from None
     return _check_choice(key, value, f)
 
 
@@ -384,7 +396,7 @@ def format_help() -> str:
         lines += ["", f"[{section}]"]
         for key, f in fields.items():
             lines.append(f"  --{section}.{key}  ({f.type.__name__}, default: "
-                         f"{_toml_value(f.default)})  {f.metadata['doc']}")
+                         f"{_toml_value(_default(f))})  {f.metadata['doc']}")
     return "\n".join(lines)
 
 
@@ -399,6 +411,8 @@ def _toml_value(value: Any) -> str:
                                                           ("inf" if value > 0 else "-inf"))
     if isinstance(value, str):
         return '"' + "".join(_escape(ch) for ch in value) + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
     raise TypeError(f"cannot write {value!r} ({type(value).__name__}) as a TOML config value")
 
 
@@ -413,4 +427,6 @@ def _escape(ch: str) -> str:
 
 def _cli_value(value: Any) -> str:
     # Example values in error messages: strings unquoted, as a shell user would type them.
+    if isinstance(value, list):
+        return ",".join(value) or '""'
     return _toml_value(value) if not isinstance(value, str) else (value or '""')

@@ -3,7 +3,8 @@
 One dataclass per TOML section (``[training]`` -> :class:`TrainingSection`). Each field carries
 ``metadata={"doc": ...}`` (shown by ``--help``) and, for enum-like strings, ``"choices"`` (the
 allowed values, checked at load time and by ``JobConfig.validate``). Field types are limited to
-``str``, ``int``, ``float`` and ``bool`` so that a TOML scalar or one CLI token maps onto each.
+``str``, ``int``, ``float``, ``bool`` and ``list[str]`` (a TOML array of strings; comma-separated on
+the command line) so that a TOML value or one CLI token maps onto each.
 
 Loading, validation and serialisation live in :mod:`engine.config`; components receive one of
 these section objects (e.g. ``cfg.optimizer``), never the whole ``JobConfig``. Treat them as
@@ -26,6 +27,8 @@ def _opt(default, doc: str, choices: tuple | None = None, int_ok: bool = False):
         metadata["choices"] = tuple(choices)
     if int_ok:
         metadata["int_ok"] = True
+    if isinstance(default, list):  # list[str] fields: a fresh list per config object
+        return field(default_factory=lambda: list(default), metadata=metadata)
     return field(default=default, metadata=metadata)
 
 
@@ -126,6 +129,14 @@ class ParallelismSection:
     cp: int = _opt(1, "context-parallel degree (sequence split)")
     tp: int = _opt(1, "tensor-parallel degree")
     pp: int = _opt(1, "pipeline-parallel degree")
+    pp_schedule: str = _opt("1F1B", "pipeline schedule by torch.distributed.pipelining name: GPipe, 1F1B, "
+                            "Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV")
+    pp_microbatch_size: int = _opt(1, "sequences per pipeline microbatch (local_batch_size / this = microbatches)")
+    pp_stages_per_rank: int = _opt(-1, "-1: 1 for single-stage schedules, 2 for multi-stage ones")
+    pp_layers_per_stage: int = _opt(-1, "> 0: stages hold this many layers (sets the stage count)")
+    pp_split_points: list[str] = _opt([], 'explicit stage boundaries, e.g. ["layers.4", "layers.8"]')
+    pp_input_weight: float = _opt(1.0, "layers the embedding counts as when splitting stages evenly")
+    pp_output_weight: float = _opt(1.0, "layers the final norm + output head count as when splitting")
     ep: int = _opt(1, "expert-parallel degree (MoE models)")
     fsdp_reshard_after_forward: str = _opt("default", "default|always|never",
                                            choices=("default", "always", "never"))

@@ -34,6 +34,9 @@ optimizer.name optimizer.lr optimizer.beta1 optimizer.beta2 optimizer.eps optimi
 optimizer.implementation
 lr_scheduler.warmup_steps lr_scheduler.decay_type lr_scheduler.decay_ratio lr_scheduler.min_lr
 parallelism.dp_replicate parallelism.dp_shard parallelism.cp parallelism.tp parallelism.pp
+parallelism.pp_schedule parallelism.pp_microbatch_size parallelism.pp_stages_per_rank
+parallelism.pp_layers_per_stage parallelism.pp_split_points parallelism.pp_input_weight
+parallelism.pp_output_weight
 parallelism.ep parallelism.fsdp_reshard_after_forward
 comm.backend comm.init_timeout_seconds
 checkpoint.enable checkpoint.folder checkpoint.interval
@@ -83,12 +86,12 @@ def test_defaults_match_spec_and_validate():
     cfg.validate()
 
 
-def test_every_field_has_doc_and_scalar_type():
+def test_every_field_has_doc_and_supported_type():
     cfg = JobConfig()
     for section in dataclasses.fields(cfg):
         for f in dataclasses.fields(getattr(cfg, section.name)):
             assert f.metadata["doc"], f"{section.name}.{f.name} has no doc"
-            assert f.type in (str, int, float, bool), f"{section.name}.{f.name}: {f.type}"
+            assert f.type in (str, int, float, bool, list[str]), f"{section.name}.{f.name}: {f.type}"
             for choice in f.metadata.get("choices", ()):
                 assert isinstance(choice, f.type)
             if "choices" in f.metadata:
@@ -357,7 +360,7 @@ def test_toml_round_trip(tmp_path):
     assert again == cfg
     plain = config_to_dict(JobConfig())
     assert list(plain) == [f.name for f in dataclasses.fields(JobConfig)]
-    assert all(isinstance(v, (str, int, float, bool)) for t in plain.values() for v in t.values())
+    assert all(isinstance(v, (str, int, float, bool, list)) for t in plain.values() for v in t.values())
 
 
 # ---------------------------------------------------------------- shipped configs
@@ -403,3 +406,13 @@ def test_llama3_presets(name, flavor, tp, lr, ac):
     assert cfg.model.vocab_size == -1
     head = path.read_text().splitlines()[0]
     assert "GPUs" in head
+
+
+def test_list_field_from_toml_and_cli(tmp_path):
+    path = write_toml(tmp_path, '[parallelism]\npp_split_points = ["layers.2", "layers.4"]\n')
+    assert load_config(["--job.config_file", path]).parallelism.pp_split_points == ["layers.2", "layers.4"]
+    cli = load_config(["--job.config_file", path, "--parallelism.pp_split_points", "layers.3"])
+    assert cli.parallelism.pp_split_points == ["layers.3"]
+    with pytest.raises(ConfigError, match="parallelism.pp_split_points"):
+        load_config(["--job.config_file", write_toml(tmp_path, "[parallelism]\npp_split_points = [3]\n", "bad.toml")])
+    assert JobConfig().parallelism.pp_split_points is not JobConfig().parallelism.pp_split_points
