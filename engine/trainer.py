@@ -31,10 +31,27 @@ from engine.optimizer import build_optimizer
 from engine.tokenizer import Tokenizer
 from parallelisms.grad_norm import clip_grad_norm_
 from parallelisms.parallel_dims import ParallelDims
+from parallelisms.tensor_parallel import loss_parallel_context, to_local
+from parallelisms.pipeline import (
+    PipelineConfigError,
+    build_pipeline_schedule,
+    build_stage_module,
+    plan_pipeline,
+)
+from parallelisms.pipeline_timing import StageBusyTimer
 
 logger = logging.getLogger("quadra")
 
 IGNORE_INDEX = -100
+
+
+def token_sum_loss(logits: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """Σ cross entropy (nats) over the label tokens of ``logits`` [B, S, V] / ``labels`` [B, S],
+    divided by ``global_tokens`` (the step's label-token count over all ranks and microbatches)."""
+    loss_sum = F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
+    )
+    return loss_sum / global_tokens
 
 
 class TrainingDivergedError(RuntimeError):
@@ -63,8 +80,14 @@ class Trainer:
         self.model_spec, self.model_args = resolve_model_args(
             cfg.model, seq_len=cfg.training.seq_len, tokenizer_vocab_size=tokenizer.vocab_size
         )
+        if self.model_spec.validate_parallelism_fn is not None:  # e.g. heads % tp, on every rank
+            self.model_spec.validate_parallelism_fn(
+                self.model_args, cfg.parallelism, seq_len=cfg.training.seq_len,
+                device_type=self.device.type, compile_enabled=cfg.compile.enable,
+            )
         if self.dist.is_distributed:
             self.parallel_dims.build_mesh(self.device.type)
+        self.pp_plan = self._plan_pipeline()
         self.dp_rank = self._dp_rank()
         self._build_data(tokenizer)
         self.model_parts = self._build_model()
@@ -77,6 +100,22 @@ class Trainer:
     # ------------------------------------------------------------------ building
     def _dp_rank(self) -> int:
         return self.parallel_dims.mesh("dp").get_local_rank() if self.dist.is_distributed else 0
+
+    def _plan_pipeline(self):
+        """Validate pipeline settings before any heavy work; None without pipeline parallel."""
+        if not self.parallel_dims.pp_enabled:
+            return None
+        if self.model_args.tie_embeddings:
+            raise PipelineConfigError(
+                "model.tie_embeddings = true cannot be split across pipeline stages (the embedding and the "
+                "output head live on different stages); set model.tie_embeddings = false or parallelism.pp = 1."
+            )
+        return plan_pipeline(
+            self.cfg.parallelism,
+            n_layers=self.model_args.n_layers,
+            local_batch_size=self.cfg.training.local_batch_size,
+            pp_rank=self.parallel_dims.mesh("pp").get_local_rank(),
+        )
 
     def _build_data(self, tokenizer: Tokenizer) -> None:
         t = self.cfg.training
@@ -113,18 +152,34 @@ class Trainer:
         if cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
         model = build_meta_model(self.model_spec, self.model_args)
+        # FLOPs of the whole model: MFU divides by every device that shares a sample (pp included).
         self.nparams, self.flops_per_token = self.model_args.get_nparams_and_flops(model, cfg.training.seq_len)
-        self.model_spec.parallelize_fn(
-            model,
-            self.parallel_dims,
-            parallelism_cfg=cfg.parallelism,
-            training_cfg=cfg.training,
-            ac_cfg=cfg.activation_checkpoint,
-            compile_cfg=cfg.compile,
-            backend=self.dist.backend,
-        )
-        materialize(model, self.device, cfg.training.seed)
-        return [model]
+        plan = self.pp_plan
+        if plan is None:
+            parts = [model]
+        else:
+            last = plan.num_stages - 1
+            parts = [build_stage_module(model, plan.stage_layers[s], s == 0, s == last) for s in plan.local_stages]
+        for part in parts:
+            self.model_spec.parallelize_fn(
+                part,
+                self.parallel_dims,
+                parallelism_cfg=cfg.parallelism,
+                training_cfg=cfg.training,
+                ac_cfg=cfg.activation_checkpoint,
+                compile_cfg=cfg.compile,
+                backend=self.dist.backend,
+            )
+            materialize(part, self.device, cfg.training.seed)
+        self.pp_schedule = None
+        if plan is not None:
+            self.pp_schedule, stages = build_pipeline_schedule(
+                plan, parts, self.parallel_dims.mesh("pp"), self.device, token_sum_loss
+            )
+            self.pp_has_first = 0 in plan.local_stages
+            self.pp_has_last = plan.num_stages - 1 in plan.local_stages
+            self.stage_timer = StageBusyTimer(stages, self.device)
+        return parts
 
     def _build_metrics(self) -> MetricsLogger:
         is_logging_rank = self.dist.rank == 0
@@ -158,12 +213,26 @@ class Trainer:
             dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.parallel_dims.mesh("dp_cp").get_group())
         return value
 
+    def _pp_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over pipeline ranks: brings the last stage's loss to every rank (others hold 0)."""
+        if self.pp_schedule is not None:
+            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.parallel_dims.mesh("pp").get_group())
+        return value
+
     def _autocast(self):
         """bf16 autocast when mixed precision is asked for and no FSDP/DDP policy applies it."""
         wrapped = self.parallel_dims.fsdp_enabled or self.parallel_dims.ddp_enabled
         if self.cfg.training.mixed_precision_param == "bfloat16" and not wrapped:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
+
+    def _loss_context(self):
+        """``loss_parallel()`` when TP leaves the logits sharded on the vocab dim, else a no-op.
+
+        The cross entropy on those logits and its backward must both run inside it; the loss it
+        gives is a Replicate DTensor, which ``to_local`` turns back into the plain value.
+        """
+        return loss_parallel_context(self.parallel_dims.tp_enabled and self.cfg.parallelism.loss_parallel)
 
     # ------------------------------------------------------------------ one step
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor) -> torch.Tensor:
@@ -176,16 +245,32 @@ class Trainer:
         Returns:
             This microbatch's contribution to the step loss (detached): token-sum CE / global_tokens.
         """
+        if self.pp_schedule is not None:
+            return self._pipeline_forward_backward(inputs, labels, global_tokens)
         model = self.model_parts[0]
         with self._autocast():
             logits = model(inputs)
-        loss_sum = F.cross_entropy(
-            logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
-        )
-        loss = loss_sum / global_tokens
+        loss = token_sum_loss(logits, labels, global_tokens)
         del logits
         loss.backward()
         return loss.detach()
+
+    def _pipeline_forward_backward(self, inputs, labels, global_tokens) -> torch.Tensor:
+        """One schedule step over this microbatch's pipeline microbatches; the loss is only known on
+        the rank holding the last stage (0 elsewhere until ``_pp_sum``)."""
+        losses: list[torch.Tensor] | None = [] if self.pp_has_last else None
+        args = (inputs,) if self.pp_has_first else ()
+        with self._autocast():
+            self.pp_schedule.step(
+                *args,
+                target=labels if self.pp_has_last else None,
+                losses=losses,
+                return_outputs=False,
+                loss_kwargs={"global_tokens": global_tokens},
+            )
+        if losses:
+            return torch.stack([loss.detach() for loss in losses]).sum()
+        return torch.zeros((), device=self.device)
 
     def train_step(self) -> dict:
         """One optimizer step over ``grad_accum_steps`` microbatches; returns loss and grad_norm."""
@@ -199,24 +284,31 @@ class Trainer:
         global_tokens = self._dp_sum(torch.tensor(float(local_tokens), device=self.device))
 
         loss = torch.zeros((), device=self.device)
+        if self.pp_schedule is not None:
+            self.stage_timer.reset()
+        compute_start = time.perf_counter()
         for inputs, labels in microbatches:
-            loss += self.forward_backward(inputs, labels, global_tokens)
+            # Around the whole call: the loss and its backward (also inside a pipeline schedule).
+            with self._loss_context():
+                loss += to_local(self.forward_backward(inputs, labels, global_tokens))
+        compute_seconds = time.perf_counter() - compute_start
         params = [p for part in self.model_parts for p in part.parameters()]
-        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm)
+        pp_group = self.parallel_dims.mesh("pp").get_group() if self.pp_schedule is not None else None
+        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_group=pp_group)
         lr = self.lr_scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
 
-        loss = self._dp_sum(loss).item()
+        loss = self._pp_sum(self._dp_sum(loss)).item()
         grad_norm = grad_norm.item()
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             raise TrainingDivergedError(
                 f"loss is {loss} (grad_norm {grad_norm}) at step {self.step}: training diverged. Lower "
                 "optimizer.lr, raise lr_scheduler.warmup_steps, or set training.max_norm to clip gradients."
             )
-        return {
+        record = {
             "loss": loss,
             "grad_norm": grad_norm,
             "lr": lr,
@@ -225,6 +317,11 @@ class Trainer:
             "data_seconds": data_seconds,
             "epoch": self.dataloader.epoch,
         }
+        if self.pp_schedule is not None:
+            # Share of the forward/backward time this rank spent idle (waiting on other stages).
+            busy = self.stage_timer.busy_seconds()
+            record["pp_bubble_fraction"] = max(0.0, 1.0 - busy / compute_seconds)
+        return record
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -232,19 +329,25 @@ class Trainer:
         """Mean token loss (nats) over ``validation.steps`` batches of the validation split."""
         if self._val_loader is None:  # each iteration of the loader restarts the split
             self._build_validation_loader()
-        model = self.model_parts[0]
-        model.eval()
+        for part in self.model_parts:
+            part.eval()
+        # [loss sum, label tokens]; with PP only the last stage counts, and _pp_sum shares it.
         totals = torch.zeros(2, device=self.device, dtype=torch.float64)
         for inputs, labels in self._val_loader:
             inputs, labels = inputs.to(self.device), labels.to(self.device)
-            with self._autocast():
-                logits = model(inputs)
-            totals[0] += F.cross_entropy(
-                logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
-            ).double()
-            totals[1] += (labels != IGNORE_INDEX).sum()
-        model.train()
-        self._dp_sum(totals)
+            with self._autocast(), self._loss_context():
+                if self.pp_schedule is None:
+                    totals[0] += to_local(token_sum_loss(self.model_parts[0](inputs), labels)).double()
+                else:
+                    losses: list[torch.Tensor] = []
+                    args = (inputs,) if self.pp_has_first else ()
+                    self.pp_schedule.eval(*args, target=labels if self.pp_has_last else None, losses=losses)
+                    totals[0] += sum(loss.double() for loss in losses) if losses else 0.0
+            if self.pp_schedule is None or self.pp_has_last:
+                totals[1] += (labels != IGNORE_INDEX).sum()
+        for part in self.model_parts:
+            part.train()
+        self._pp_sum(self._dp_sum(totals))
         return float(totals[0] / totals[1].clamp_min(1))
 
     # ------------------------------------------------------------------ the loop
@@ -265,10 +368,8 @@ class Trainer:
                     tokens=record["tokens"], step_seconds=record["step_seconds"], data_seconds=record["data_seconds"]
                 )
                 if self.metrics.should_log(self.step):
-                    self.metrics.log(
-                        self.step,
-                        {key: record[key] for key in ("loss", "grad_norm", "lr", "epoch")},
-                    )
+                    keys = ("loss", "grad_norm", "lr", "epoch", "pp_bubble_fraction")
+                    self.metrics.log(self.step, {key: record[key] for key in keys if key in record})
                 if gc_freq > 0 and self.step % gc_freq == 0:
                     gc.collect(1)
                 v = self.cfg.validation

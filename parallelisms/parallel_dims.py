@@ -23,8 +23,6 @@ MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 # Degrees whose parallelism is not wired into the trainer yet. Each later issue removes its entry.
 _NOT_SUPPORTED_YET = {
-    "tp": "tensor parallel",
-    "pp": "pipeline parallel",
     "cp": "context parallel",
     "ep": "expert parallel",
 }
