@@ -1,0 +1,71 @@
+"""Context-parallel attention equals full causal attention, forward and backward (gloo, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallelisms.context_parallel import ContextParallelError, cp_positions, validate_context_parallel
+from tests.dist_utils import run_distributed
+
+
+def test_head_tail_positions():
+    assert cp_positions(8, 2, load_balance=True).tolist() == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert cp_positions(8, 2, load_balance=False).tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(ContextParallelError, match="training.seq_len = 6 must be divisible by 2·cp = 4"):
+        cp_positions(6, 2, load_balance=True)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((64, 2, 2, True, "ring"), None),
+        ((60, 2, 2, True, "ring"), "divisible by 2·cp·tp = 8"),
+        ((62, 2, 2, False, "ring"), "divisible by cp·tp = 4"),
+        ((64, 2, 1, True, "alltoall"), "cp_rotate_method = 'alltoall'"),
+    ],
+)
+def test_validation(args, message):
+    if message is None:
+        validate_context_parallel(*args)
+    else:
+        with pytest.raises(ContextParallelError, match=message):
+            validate_context_parallel(*args)
+
+
+def _compare(method: str, load_balance: bool, dtype_name: str) -> tuple[float, float]:
+    import torch.distributed as dist
+
+    from parallelisms.ring_attention import allgather_attention, ring_attention
+
+    dist.init_process_group("gloo")
+    dtype = getattr(torch, dtype_name)
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(2, 3, 16, 8, generator=gen, dtype=dtype) for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    full = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    full.backward(dout)
+    positions = cp_positions(16, cp, load_balance)
+    mine = positions[rank]
+    local = [t.detach()[:, :, mine].clone().requires_grad_(True) for t in (q, k, v)]
+    fn = ring_attention if method == "ring" else allgather_attention
+    out = fn(*local, positions, dist.group.WORLD)
+    out.backward(dout[:, :, mine])
+    fwd_err = (out - full.detach()[:, :, mine]).abs().max().item()
+    bwd_err = max((l.grad - t.grad[:, :, mine]).abs().max().item() for l, t in zip(local, (q, k, v)))
+    return fwd_err, bwd_err
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("load_balance", [True, False])
+@pytest.mark.parametrize("method", ["ring", "allgather"])
+def test_matches_full_attention_fp64(cp, load_balance, method):
+    for fwd_err, bwd_err in run_distributed(_compare, cp, method, load_balance, "float64"):
+        assert fwd_err < 1e-10 and bwd_err < 1e-10, (fwd_err, bwd_err)
+
+
+def test_matches_full_attention_fp32():
+    for fwd_err, bwd_err in run_distributed(_compare, 2, "ring", True, "float32"):
+        assert fwd_err < 1e-5 and bwd_err < 1e-5, (fwd_err, bwd_err)
