@@ -357,13 +357,29 @@ def _range_problems(cfg: JobConfig) -> list[str]:
          "must be >= 0 (0: look up the GPU)"),
         (not ac_ok, "activation_checkpoint.selective_ac_option", ac.selective_ac_option,
          'must be "op" or a positive integer N (checkpoint every N-th block), e.g. "2"'),
-        (cfg.checkpoint.enable, "checkpoint.enable", True,
-         "checkpointing is not supported yet; set checkpoint.enable = false"),
     ]
+    checks += _checkpoint_problems(cfg.checkpoint)
     for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
         degree = getattr(p, name)
         checks.append((degree < 1, f"parallelism.{name}", degree, "must be >= 1 (1 disables it)"))
     return [f"{key} = {_toml_value(value)}: {fix}" for bad, key, value, fix in checks if bad]
+
+
+def _checkpoint_problems(c: CheckpointSection) -> list[tuple[bool, str, Any, str]]:
+    """Range checks of ``[checkpoint]`` (whether paths exist is checked at start-up, on every rank)."""
+    return [
+        (c.interval <= 0, "checkpoint.interval", c.interval, "must be > 0 steps between saves"),
+        (c.keep_latest_k < 0, "checkpoint.keep_latest_k", c.keep_latest_k,
+         "must be >= 0 (0 keeps every checkpoint)"),
+        (c.load_step < -1, "checkpoint.load_step", c.load_step,
+         "must be -1 (the newest checkpoint) or a saved step >= 0"),
+        (c.enable and not c.folder.strip(), "checkpoint.folder", c.folder,
+         'must name a folder, e.g. "checkpoint"'),
+        (not c.enable and c.load_step != -1, "checkpoint.load_step", c.load_step,
+         "is only used with checkpoint.enable = true; enable checkpointing or leave load_step = -1"),
+        (not c.enable and c.initial_load_path != "", "checkpoint.initial_load_path", c.initial_load_path,
+         'is only used with checkpoint.enable = true; enable checkpointing or set it to ""'),
+    ]
 
 
 # ---------------------------------------------------------------- serialisation and help

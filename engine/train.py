@@ -3,6 +3,8 @@
 ``run_train.sh`` launches this under torchrun. Configuration and set-up errors (bad settings,
 mismatched sizes, missing files) are printed as one line per rank and exit with status 2 before any
 heavy work; a diverged loss exits with status 1. Set ``QUADRA_TRACEBACK=1`` to see full tracebacks.
+SIGTERM or SIGUSR1 (preemption) stops every rank after the current step; with checkpointing on, the
+state is saved first, and the process exits 0 with one line saying so.
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ def main(argv: list[str] | None = None) -> int:
             return _fail(rank, "training stopped", error, 1)
         finally:
             trainer.close()
+        if trainer.stopped_by:
+            done = (f"saved checkpoint step-{trainer.step}" if cfg.checkpoint.enable
+                    else f"stopped after step {trainer.step} without a checkpoint (checkpoint.enable = false)")
+            if rank == 0:
+                logger.info("received %s: %s, exiting", trainer.stopped_by, done)
+            return 0
         if rank == 0:
             logger.info("training finished after %d steps; run folder: %s", trainer.step, trainer.run_folder)
         return 0

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from engine.checkpoint import CheckpointManager
 from engine.config import JobConfig, config_to_toml
 from engine.data import build_dataloader, build_validation_dataloader
 from engine.distributed import init_distributed
@@ -28,6 +29,7 @@ from engine.lr_scheduler import build_lr_scheduler
 from engine.metrics import MetricsLogger
 from engine.model_builder import build_meta_model, materialize, resolve_model_args
 from engine.optimizer import build_optimizer
+from engine.signals import StopRequest
 from engine.tokenizer import Tokenizer
 from parallelisms.grad_norm import clip_grad_norm_
 from parallelisms.parallel_dims import ParallelDims
@@ -63,7 +65,8 @@ class Trainer:
 
     Attributes used by callers and tests: ``step`` (completed optimizer steps), ``model_parts``
     (list of modules; one without pipeline parallel), ``history`` (per-step dicts with loss and
-    grad_norm), ``parallel_dims``, ``dist``.
+    grad_norm), ``parallel_dims``, ``dist``, ``tokens_seen`` (label tokens of all completed steps),
+    ``checkpointer`` and ``stopped_by`` (the signal name when SIGTERM/SIGUSR1 ended ``train`` early).
 
     Raises (from ``__init__``, on every rank, before the model is allocated):
         ValueError and subclasses: bad degrees, tokenizer/model mismatch, seq_len too long,
@@ -96,6 +99,11 @@ class Trainer:
         self.step = 0
         self.history: list[dict] = []
         self.metrics = self._build_metrics()
+        self.tokens_seen = 0
+        self.stop_request = StopRequest(self.device, self.dist.is_distributed)
+        self.stopped_by: str | None = None
+        self.checkpointer = self._build_checkpointer()
+        self.checkpointer.load()  # continue where an earlier run of this folder stopped, if it saved
 
     # ------------------------------------------------------------------ building
     def _dp_rank(self) -> int:
@@ -180,6 +188,14 @@ class Trainer:
             self.pp_has_last = plan.num_stages - 1 in plan.local_stages
             self.stage_timer = StageBusyTimer(stages, self.device)
         return parts
+
+    def _build_checkpointer(self) -> CheckpointManager:
+        return CheckpointManager(
+            self.cfg.checkpoint, run_folder=self.run_folder, model_parts=self.model_parts,
+            optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
+            trainer=self, dist_info=self.dist, parallel_dims=self.parallel_dims,
+            config_toml=config_to_toml(self.cfg),
+        )
 
     def _build_metrics(self) -> MetricsLogger:
         is_logging_rank = self.dist.rank == 0
@@ -350,6 +366,15 @@ class Trainer:
         self._pp_sum(self._dp_sum(totals))
         return float(totals[0] / totals[1].clamp_min(1))
 
+    # ------------------------------------------------------------------ checkpointed state
+    def state_dict(self) -> dict:
+        """The loop's own state: completed steps and tokens seen (components save theirs)."""
+        return {"step": self.step, "tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+
     # ------------------------------------------------------------------ the loop
     def train(self, steps: int | None = None) -> list[dict]:
         """Run until ``training.steps`` (or ``steps`` more steps); returns the per-step history."""
@@ -363,6 +388,7 @@ class Trainer:
                 record = self.train_step()
                 record["step_seconds"] = time.perf_counter() - start
                 record["step"] = self.step
+                self.tokens_seen += record["global_tokens"]
                 self.history.append(record)
                 self.metrics.record_step(
                     tokens=record["tokens"], step_seconds=record["step_seconds"], data_seconds=record["data_seconds"]
@@ -376,10 +402,18 @@ class Trainer:
                 if v.enable and (self.step % v.freq == 0 or self.step == last):
                     val_loss = self.validate()
                     self.metrics.log_validation(self.step, val_loss, math.exp(min(val_loss, 50.0)))
+                self.checkpointer.maybe_save(self.step, final=self.step == self.cfg.training.steps)
+                self.stopped_by = self.stop_request.agreed()
+                if self.stopped_by:  # every rank has the same answer: save together, then stop
+                    self.checkpointer.save(self.step, wait=True)
+                    break
         finally:
             if gc_freq > 0:
                 gc.enable()
         return self.history
 
     def close(self) -> None:
+        """Finish a checkpoint in flight, restore signal handlers, close the metrics files."""
+        self.checkpointer.close()
+        self.stop_request.restore()
         self.metrics.close()

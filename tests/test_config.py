@@ -39,7 +39,8 @@ parallelism.pp_layers_per_stage parallelism.pp_split_points parallelism.pp_input
 parallelism.pp_output_weight
 parallelism.ep parallelism.fsdp_reshard_after_forward
 comm.backend comm.init_timeout_seconds
-checkpoint.enable checkpoint.folder checkpoint.interval
+checkpoint.enable checkpoint.folder checkpoint.interval checkpoint.keep_latest_k checkpoint.async_mode
+checkpoint.load_step checkpoint.initial_load_path checkpoint.initial_load_model_only
 metrics.log_freq metrics.enable_tensorboard metrics.save_tb_folder metrics.peak_tflops
 activation_checkpoint.mode activation_checkpoint.selective_ac_option
 compile.enable compile.backend
@@ -290,8 +291,13 @@ def _invalid(**overrides) -> str:
      ('selective_ac_option = "blocks"', '"op"', "positive integer")),
     (dict(activation_checkpoint__selective_ac_option="0"),
      ('selective_ac_option = "0"', "positive integer")),
-    (dict(checkpoint__enable=True),
-     ("checkpoint.enable = true", "not supported yet", "set checkpoint.enable = false")),
+    (dict(checkpoint__interval=0), ("checkpoint.interval = 0", "> 0")),
+    (dict(checkpoint__keep_latest_k=-1), ("checkpoint.keep_latest_k = -1", ">= 0")),
+    (dict(checkpoint__enable=True, checkpoint__load_step=-2), ("checkpoint.load_step = -2", "-1")),
+    (dict(checkpoint__enable=True, checkpoint__folder=""), ('checkpoint.folder = ""', "must name a folder")),
+    (dict(checkpoint__load_step=5), ("checkpoint.load_step = 5", "checkpoint.enable = true")),
+    (dict(checkpoint__initial_load_path="x"), ('checkpoint.initial_load_path = "x"', "checkpoint.enable = true")),
+    (dict(checkpoint__async_mode="sometimes"), ("checkpoint.async_mode", "disabled|async")),
     (dict(lr_scheduler__decay_type="cos"), ("lr_scheduler.decay_type", "cosine")),
     (dict(training__steps="10"), ("training.steps", '"10"', "expected an int")),
     (dict(activation_checkpoint__selective_ac_option=2), ("selective_ac_option", "'2'")),
@@ -376,7 +382,8 @@ def test_preset_loads_and_validates(path):
     cfg = load_config(["--job.config_file", str(path)])
     cfg.validate()
     assert cfg.run_folder == str(Path("outputs") / path.stem)
-    assert cfg.checkpoint.enable is False and math.isfinite(cfg.optimizer.lr)
+    # Every preset checkpoints, so a preempted or killed run resumes with the same command.
+    assert cfg.checkpoint.enable is True and cfg.checkpoint.interval > 0 and math.isfinite(cfg.optimizer.lr)
 
 
 def test_debug_model_spells_out_every_key():

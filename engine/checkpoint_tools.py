@@ -1,0 +1,125 @@
+"""Offline checkpoint tools, one process, no process group: export, import and seed checkpoints.
+
+- :func:`export_model_weights`: a DCP checkpoint's model weights -> one consolidated ``torch.save``
+  file ``{FQN: full tensor}`` (e.g. for evaluation or conversion to another format);
+- :func:`import_model_weights`: such a file -> a model-only DCP checkpoint folder, which a run can
+  start from (``checkpoint.initial_load_path``) under any layout;
+- :func:`save_seed_checkpoint`: the initial weights of a config written as ``step-0`` of its
+  checkpoint folder, so that runs with different parallel layouts start from the same file.
+
+The scripts ``scripts/convert_checkpoint.py`` and ``scripts/seed_checkpoint.py`` are thin command
+lines over these functions.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from engine import checkpoint_files as files
+from engine.checkpoint_files import CheckpointError
+from engine.checkpoint_state import MODEL_KEY, quiet_single_process, saved_model_keys
+
+logger = logging.getLogger("quadra")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _write_model_only(weights: dict[str, torch.Tensor], folder: str, marker: dict) -> str:
+    """Write ``{"model": weights}`` with DCP into ``folder`` (via ``folder.tmp``) with its marker."""
+    if os.path.exists(folder):
+        raise CheckpointError(f"{folder!r} already exists; choose a new output folder or remove it")
+    tmp = folder.rstrip("/") + files.TMP_SUFFIX
+    with quiet_single_process():
+        dcp.save({MODEL_KEY: weights}, checkpoint_id=tmp, no_dist=True)
+    files.write_marker(tmp, {"model_only": True, **marker})
+    files.finish(tmp, folder)
+    return folder
+
+
+def export_model_weights(checkpoint_dir: str, out_path: str, dtype: str | None = None) -> int:
+    """Consolidate the model weights of a DCP checkpoint into one ``torch.save`` file.
+
+    Args:
+        checkpoint_dir: a checkpoint folder (``.../checkpoint/step-N``), saved under any layout.
+        out_path: the file to write: a dict {FQN: full tensor}, loadable with
+            ``torch.load(out_path, weights_only=True)`` and ``model.load_state_dict``.
+        dtype: cast floating-point weights to this dtype ("float32", "bfloat16", "float16");
+            None keeps the saved dtype (float32 master weights).
+
+    Returns:
+        The number of tensors written.
+
+    Raises:
+        CheckpointError: not a DCP checkpoint folder, no model weights in it, or an unknown dtype.
+    """
+    if dtype is not None and dtype not in DTYPES:
+        raise CheckpointError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    if not os.path.isfile(os.path.join(checkpoint_dir, files.DCP_METADATA)):
+        raise CheckpointError(f"{checkpoint_dir!r} is not a DCP checkpoint folder (no {files.DCP_METADATA})")
+    metadata = dcp.FileSystemReader(checkpoint_dir).read_metadata()
+    keys = saved_model_keys(metadata)
+    if not keys:
+        raise CheckpointError(f"{checkpoint_dir!r} holds no model weights (no '{MODEL_KEY}.*' keys)")
+    entries = metadata.state_dict_metadata
+    weights = {key: torch.empty(entries[f"{MODEL_KEY}.{key}"].size,
+                                dtype=entries[f"{MODEL_KEY}.{key}"].properties.dtype) for key in keys}
+    with quiet_single_process():
+        dcp.load({MODEL_KEY: weights}, checkpoint_id=checkpoint_dir, no_dist=True)
+    if dtype is not None:
+        weights = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in weights.items()}
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    torch.save(weights, out_path)
+    return len(weights)
+
+
+def import_model_weights(weights_path: str, checkpoint_dir: str) -> str:
+    """Write the ``{FQN: tensor}`` dict of a ``torch.save`` file as a model-only DCP checkpoint.
+
+    The result is a step-0 checkpoint folder that a run loads with
+    ``checkpoint.initial_load_path = checkpoint_dir`` (or as ``<checkpoint.folder>/step-0``).
+
+    Raises:
+        CheckpointError: the file does not hold a dict of tensors, or ``checkpoint_dir`` exists.
+    """
+    weights = torch.load(weights_path, map_location="cpu", weights_only=True)
+    if not isinstance(weights, dict) or not weights or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()):
+        raise CheckpointError(f"{weights_path!r} does not hold a dict {{name: tensor}} of model weights")
+    return _write_model_only(weights, checkpoint_dir, {"step": 0, "source": os.path.abspath(weights_path)})
+
+
+def save_seed_checkpoint(cfg) -> str:
+    """Initialize the model of ``cfg`` in this process and save it as ``step-0`` of its checkpoint folder.
+
+    Run without a process group (one process). Every layout that later starts in this run folder
+    loads these weights (model only) instead of initializing its own.
+
+    Returns:
+        The written folder ``<run folder>/<checkpoint.folder>/step-0``.
+
+    Raises:
+        CheckpointError: the checkpoint folder already holds a complete checkpoint (a seed would be
+            ignored in favour of it).
+        ValueError: bad [model] settings (see engine.model_builder.resolve_model_args).
+    """
+    from engine.config import config_to_toml
+    from engine.model_builder import build_meta_model, materialize, resolve_model_args
+    from engine.tokenizer import Tokenizer
+
+    folder = os.path.join(cfg.run_folder, cfg.checkpoint.folder)
+    found = files.scan(folder)
+    if found.complete:
+        raise CheckpointError(
+            f"{folder!r} already holds checkpoints {sorted(found.complete)}; a run resumes from those, "
+            "so a seed checkpoint would never be used. Fix: use a fresh job.dump_folder")
+    tokenizer = Tokenizer(cfg.model.tokenizer_path)
+    spec, args = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len,
+                                    tokenizer_vocab_size=tokenizer.vocab_size)
+    model = materialize(build_meta_model(spec, args), torch.device("cpu"), cfg.training.seed)
+    marker = {"step": 0, "seed": cfg.training.seed, "config": config_to_toml(cfg)}
+    return _write_model_only(get_model_state_dict(model), files.step_dir(folder, 0), marker)
