@@ -140,6 +140,11 @@ class ParallelismSection:
     ep: int = _opt(1, "expert-parallel degree (MoE models)")
     fsdp_reshard_after_forward: str = _opt("default", "default|always|never",
                                            choices=("default", "always", "never"))
+    sequence_parallel: bool = _opt(True, "with tp > 1: norms run on sequence shards, all-reduces become "
+                                         "all-gather + reduce-scatter (less activation memory)")
+    loss_parallel: bool = _opt(True, "with tp > 1: cross entropy on vocab-sharded logits (no full logits per rank)")
+    async_tp: bool = _opt(False, "with tp > 1: overlap TP collectives with matmuls (needs CUDA, compile, "
+                                 "sequence_parallel)")
 
 
 @dataclass

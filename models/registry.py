@@ -44,6 +44,9 @@ class ModelSpec:
         parallelize_fn: `fn(model, parallel_dims, cfg) -> model` applying TP/CP/AC/compile/FSDP,
             or None while the model has no parallel plan yet.
         pipeline_fn: splits a model into pipeline stages, or None if PP is not supported.
+        validate_parallelism_fn: `fn(model_args, parallelism_cfg, *, seq_len, device_type,
+            compile_enabled)` raising ValueError when `[parallelism]` cannot shard this model (e.g.
+            heads not divisible by tp); the trainer calls it on every rank before building anything.
     """
 
     name: str
@@ -51,6 +54,7 @@ class ModelSpec:
     flavors: dict[str, Any]
     parallelize_fn: Callable | None
     pipeline_fn: Callable | None = None
+    validate_parallelism_fn: Callable | None = None
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

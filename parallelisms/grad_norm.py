@@ -1,14 +1,17 @@
 """Global gradient norm and clipping for plain, sharded (DTensor) and pipeline-split gradients.
 
-With FSDP/HSDP each rank holds a shard of each gradient as a DTensor; torch's ``get_total_norm``
-returns the norm as a DTensor with a pending (Partial) reduction, and ``full_tensor()`` performs the
-reduction over exactly the mesh dimensions the gradients are sharded on — replicated copies are not
-counted twice. Pipeline stages hold disjoint parameters, so their squared norms are summed over the
-pp group (passed in once pipeline parallel lands).
+Gradients come in three kinds, often mixed in one model: plain tensors (one process; or a tensor
+replicated by tensor parallel, e.g. an RMSNorm weight without sequence parallel, equal on every tp
+rank), DTensors on the FSDP/HSDP mesh, and DTensors on the tp mesh or on a 2-D (dp_shard, tp) mesh
+once FSDP shards a TP parameter again. Each gradient's squared L2 norm is computed on its local
+shard; gradients are grouped by (mesh, the mesh dims they are sharded on), each group's sum is
+all-reduced over exactly those dims (a replicated dim is not reduced, so a replicated copy is
+counted once), and the groups are added. Pipeline stages hold disjoint parameters, so their squared
+norms are summed over the pp group (``pp_group``).
 
-Each tensor's norm is accumulated in float64: torch's fp32 CPU reduction sums squares sequentially and
-loses ~1e-5 relative on a 1M-element tensor, which alone would make the measured norm depend on how
-the gradients are sharded. The result is returned in fp32.
+Each tensor's squared norm is accumulated in float64: torch's fp32 CPU reduction sums squares
+sequentially and loses ~1e-5 relative on a 1M-element tensor, which alone would make the measured
+norm depend on how the gradients are sharded. The result is returned in fp32.
 """
 
 from __future__ import annotations
@@ -17,7 +20,52 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+
+
+def _reduced_dims(grad: DTensor) -> tuple[int, ...]:
+    """The mesh dims over which ``grad``'s squared norm must be summed: the ones it is sharded on."""
+    # "Not replicated" rather than is_shard(): FSDP's strided shard of a TP shard (the 2-D case)
+    # answers is_shard() False. Partial gradients were reduced before (see _reduce_pending).
+    return tuple(dim for dim, placement in enumerate(grad.placements) if not placement.is_replicate())
+
+
+def _reduce_pending(params: list[torch.Tensor]) -> None:
+    """Replace each Partial DTensor gradient by its reduced (Replicate) value, in place.
+
+    Sequence parallel leaves such gradients on the RMSNorm weights: each tp rank holds the
+    gradient from its own sequence shard, and their sum is the gradient. The norm of a sum is not
+    the sum of norms, so it is reduced here, once, and the optimizer then reads the reduced one.
+    """
+    for param in params:
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            placements = [Replicate() if p.is_partial() else p for p in grad.placements]
+            param.grad = grad.redistribute(placements=placements)
+
+
+def _squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Σ over ``grads`` of the squared L2 norm (fp64, 0-dim), each element counted once."""
+    plain = torch.zeros((), dtype=torch.float64, device=grads[0].device)
+    groups: dict[tuple[DeviceMesh, tuple[int, ...]], torch.Tensor] = {}
+    for grad in grads:
+        if not isinstance(grad, DTensor):
+            plain += torch.linalg.vector_norm(grad, 2.0, dtype=torch.float64) ** 2
+            continue
+        key = (grad.device_mesh, _reduced_dims(grad))
+        local = torch.linalg.vector_norm(grad.to_local(), 2.0, dtype=torch.float64) ** 2
+        groups[key] = groups[key] + local if key in groups else local
+    total = plain
+    # Every rank of a mesh holds the same parameters, hence the same keys in the same order, so
+    # the reductions below are issued in the same order on all of them.
+    for (mesh, dims), local in groups.items():
+        # One all-reduce per sharded mesh dim (what DTensor's Partial → Replicate would do, minus
+        # its per-call warning about 2-D reductions); they are scalars, so latency is all they cost.
+        for dim in dims:
+            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
+        total = total + local
+    return total
 
 
 @torch.no_grad()
@@ -31,26 +79,40 @@ def clip_grad_norm_(
     """Compute the global L2 norm of all gradients and, if ``max_norm > 0``, scale them to it.
 
     Args:
-        parameters: every parameter of every model part on this rank.
+        parameters: every parameter of every model part on this rank (plain tensors and DTensors
+            on any meshes may be mixed).
         max_norm: clipping threshold (same units as the gradient norm); <= 0 only measures.
         pp_group: pipeline-parallel group whose ranks hold the other stages' parameters.
+        foreach: False scales the gradients one by one; None/True with one foreach call per
+            (device, dtype).
 
     Returns:
         The total norm before clipping, a 0-dim fp32 tensor equal on every rank.
+
+    Gradients with a pending reduction (Partial DTensors, e.g. sequence-parallel norm weights)
+    are reduced first and replace ``param.grad``.
     """
     params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
-    if not grads:
+    if not params:
         return torch.zeros(())
-    norms = [torch.linalg.vector_norm(g, 2.0, dtype=torch.float64) for g in grads]
-    total_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
-    if isinstance(total_norm, DTensor):
-        total_norm = total_norm.full_tensor()
-    total_norm = total_norm.float()
+    _reduce_pending(params)
+    grads = [p.grad for p in params]
+    squared = _squared_norm(grads)
     if pp_group is not None:
-        squared = total_norm**2
         dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=pp_group)
-        total_norm = squared.sqrt()
+    total_norm = squared.sqrt().float()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach=foreach)
+        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        # Scale the local shards in place (to_local shares storage): one code path whatever mesh a
+        # gradient lives on; a foreach over DTensors of different meshes is not supported.
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        if foreach is False:
+            for g in local:
+                g.mul_(coef.to(g.device))
+        else:
+            by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+            for g in local:
+                by_kind.setdefault((g.device, g.dtype), []).append(g)
+            for (device, _), group in by_kind.items():
+                torch._foreach_mul_(group, coef.to(device))
     return total_norm

@@ -37,7 +37,8 @@ parallelism.dp_replicate parallelism.dp_shard parallelism.cp parallelism.tp para
 parallelism.pp_schedule parallelism.pp_microbatch_size parallelism.pp_stages_per_rank
 parallelism.pp_layers_per_stage parallelism.pp_split_points parallelism.pp_input_weight
 parallelism.pp_output_weight
-parallelism.ep parallelism.fsdp_reshard_after_forward
+parallelism.ep parallelism.fsdp_reshard_after_forward parallelism.sequence_parallel
+parallelism.loss_parallel parallelism.async_tp
 comm.backend comm.init_timeout_seconds
 checkpoint.enable checkpoint.folder checkpoint.interval checkpoint.keep_latest_k checkpoint.async_mode
 checkpoint.load_step checkpoint.initial_load_path checkpoint.initial_load_model_only

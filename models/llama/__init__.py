@@ -3,7 +3,7 @@
 from models.llama.args import LlamaModelArgs
 from models.llama.flavors import llama3_flavors
 from models.llama.model import Transformer
-from models.llama.parallelize import parallelize_llama
+from models.llama.parallelize import parallelize_llama, validate_llama_parallelism
 from models.registry import ModelSpec, register_model_spec
 
 __all__ = ["LlamaModelArgs", "Transformer", "llama3_flavors"]
@@ -15,5 +15,6 @@ register_model_spec(
         flavors=llama3_flavors,
         parallelize_fn=parallelize_llama,
         pipeline_fn=None,
+        validate_parallelism_fn=validate_llama_parallelism,
     )
 )

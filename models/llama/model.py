@@ -85,8 +85,21 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [B, S, dim]; cos/sin: [S, head_dim // 2]. Returns [B, S, dim]."""
+        """x: [B, S, dim]; cos/sin: [>= S, head_dim // 2] (rows for positions 0..). Returns [B, S, dim].
+
+        Raises:
+            ValueError: the RoPE tables have fewer than S rows.
+        """
         bs, seqlen, _ = x.shape
+        # Only here is the full S known: under sequence parallel the blocks receive sequence shards
+        # and tensor parallel gathers them just before attention, so the model hands over tables
+        # covering every position and attention takes the first S rows.
+        if seqlen > cos.shape[0]:
+            raise ValueError(
+                f"attention over {seqlen} positions but the RoPE tables cover {cos.shape[0]}: pass "
+                f"positions for every token, or a sequence of at most max_seq_len tokens"
+            )
+        cos, sin = cos[:seqlen], sin[:seqlen]
         # -1, not n_heads: under tensor parallel each rank holds only its share of the heads.
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
@@ -146,7 +159,10 @@ class TransformerBlock(nn.Module):
         self.weight_init_std = 0.02 / math.sqrt(2 * depth)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [B, S, dim]; cos/sin: [S, head_dim // 2]. Returns [B, S, dim]."""
+        """x: [B, S, dim]; cos/sin: [>= S, head_dim // 2]. Returns [B, S, dim].
+
+        Under sequence parallel x and the result are sequence shards [B, S/tp, dim].
+        """
         h = x + self.attention(self.attention_norm(x), cos, sin)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -224,7 +240,9 @@ class Transformer(nn.Module):
                     f"[B, S, dim], got {tokens.dtype} of shape {tuple(tokens.shape)}"
                 )
             h = tokens
-        cos, sin = self._rope_tables(h.shape[1], positions)
+        # tokens.shape[1] is the full S for token ids; a hidden state from an earlier pipeline stage
+        # may already be a sequence-parallel shard of it.
+        cos, sin = self._rope_tables(tokens.shape[1], positions, exact=self.tok_embeddings is not None)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         if self.norm is not None:
@@ -234,9 +252,15 @@ class Transformer(nn.Module):
         return h
 
     def _rope_tables(
-        self, seqlen: int, positions: torch.Tensor | None
+        self, seqlen: int, positions: torch.Tensor | None, exact: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows [S, head_dim // 2] for positions 0..S-1 or the given `positions`."""
+        """cos/sin [R, head_dim // 2]: all max_seq_len rows, or the rows of the given `positions`.
+
+        Attention takes the first S rows it needs (see `Attention.forward`). `seqlen` is the length
+        of this part's input: the full S for token ids (then `positions` must have exactly S
+        entries, `exact`), possibly a sequence-parallel shard of S for a hidden state (then at least
+        `seqlen`).
+        """
         if positions is None:
             if seqlen > self.model_args.max_seq_len:
                 raise ValueError(
@@ -244,8 +268,8 @@ class Transformer(nn.Module):
                     f"{self.model_args.max_seq_len}; lower training.seq_len or use a flavor "
                     f"with a larger max_seq_len"
                 )
-            return self.rope_cos[:seqlen], self.rope_sin[:seqlen]
-        if positions.shape != (seqlen,):
+            return self.rope_cos, self.rope_sin
+        if positions.dim() != 1 or positions.shape[0] < seqlen or (exact and positions.shape[0] != seqlen):
             raise ValueError(
                 f"positions must be a LongTensor [S={seqlen}], got shape {tuple(positions.shape)}"
             )

@@ -1,20 +1,34 @@
 """The LLaMA parallelization plan: which parallelism wraps which module, in a fixed order.
 
 Order (DESIGN.md rule 2): TP → EP → CP → activation checkpointing → compile → FSDP/HSDP or DDP.
-Tensor, expert and context parallel plug in ahead of activation checkpointing when their issues
-land; data parallel always comes last because FSDP must see the final module structure (wrapped,
-compiled blocks) to place its per-block units.
+Tensor parallel comes first because it swaps parameters for DTensors on the ``tp`` mesh, which every
+later wrapper must see: activation checkpointing and compile wrap the already-sharded blocks, and
+FSDP, always last, must see the final module structure (wrapped, compiled blocks) to place its
+per-block units and shards the TP DTensors once more over dp_shard (2-D: FSDP across, TP within).
+Expert and context parallel plug in after TP when their issues land.
+
+The TP plan is Megatron-LM's (arXiv 1909.08053) with sequence parallel (arXiv 2205.05198): see
+:func:`apply_tp_llama`.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import apply_compile
 from parallelisms.data_parallel import apply_ddp, apply_fsdp
 from parallelisms.parallel_dims import ParallelDims
+from parallelisms.tensor_parallel import apply_tensor_parallel, enable_async_tp, validate_tensor_parallel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -34,7 +48,8 @@ def parallelize_llama(
     Args:
         model: LLaMA ``Transformer`` on the meta device (or any device).
         parallel_dims: validated degrees with the mesh built (when world_size > 1).
-        parallelism_cfg: ``[parallelism]`` (fsdp_reshard_after_forward).
+        parallelism_cfg: ``[parallelism]`` (sequence_parallel, loss_parallel, async_tp,
+            fsdp_reshard_after_forward).
         training_cfg: ``[training]`` (mixed_precision_param, mixed_precision_reduce).
         ac_cfg: ``[activation_checkpoint]``; compile_cfg: ``[compile]``.
         backend: process-group backend ("gloo", "nccl") or None for one process.
@@ -42,6 +57,15 @@ def parallelize_llama(
     Returns:
         The same module, parallelized.
     """
+    if parallel_dims.tp_enabled:
+        apply_tp_llama(
+            model,
+            parallel_dims.mesh("tp"),
+            sequence_parallel=parallelism_cfg.sequence_parallel,
+            loss_parallel=parallelism_cfg.loss_parallel,
+        )
+        if parallelism_cfg.async_tp:  # accepted by validate_llama_parallelism: CUDA + compile + SP
+            enable_async_tp()
     apply_activation_checkpointing(model, ac_cfg.mode, ac_cfg.selective_ac_option)
     if compile_cfg.enable:
         apply_compile(model, backend=compile_cfg.backend)
@@ -68,3 +92,115 @@ def parallelize_llama(
             backend=backend or "gloo",
         )
     return model
+
+
+def validate_llama_parallelism(
+    model_args, parallelism_cfg, *, seq_len: int, device_type: str, compile_enabled: bool
+) -> None:
+    """Start-up checks of ``[parallelism]`` against a LLaMA model, before anything is built.
+
+    Tensor parallel gives every rank ``1/tp`` of the query heads, of the key/value heads (GQA), of
+    the feed-forward width and of the vocabulary, and (with sequence parallel) of each sequence;
+    ``dim`` is checked too, as the issue's contract (it follows from ``n_heads % tp`` here).
+
+    Args:
+        model_args: ``LlamaModelArgs`` after ``resolve_model_args`` (vocab_size as trained).
+        parallelism_cfg: ``[parallelism]``.
+        seq_len: ``training.seq_len`` (tokens); device_type: "cuda"/"cpu"; compile_enabled: ``compile.enable``.
+
+    Raises:
+        TensorParallelError (a ValueError): naming the setting, the value and the fix.
+    """
+    validate_tensor_parallel(
+        parallelism_cfg,
+        divisible={
+            "dim": model_args.dim,
+            "n_heads": model_args.n_heads,
+            "n_kv_heads": model_args.kv_heads,
+            "feed-forward width (ffn_hidden_dim)": model_args.ffn_hidden_dim,
+        },
+        vocab_size=model_args.vocab_size,
+        seq_len=seq_len,
+        device_type=device_type,
+        compile_enabled=compile_enabled,
+    )
+
+
+def apply_tp_llama(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:
+    """Shard a LLaMA ``Transformer`` (or pipeline stage) over the 1-D ``tp_mesh``, in place.
+
+    Per block (Megatron-LM, arXiv 1909.08053, §3): attention wq/wk/wv column-parallel (each rank
+    owns ``n_heads/tp`` query and ``n_kv_heads/tp`` key/value heads, so attention itself runs on
+    local heads with no communication) and wo row-parallel; feed-forward w1/w3 column-parallel and
+    w2 row-parallel. Each sub-block is then one column→row pair: without sequence parallel one
+    all-reduce in forward (after wo / w2) and one in backward (at the input of wq/wk/wv / w1/w3).
+
+    With ``sequence_parallel`` (arXiv 2205.05198, §4.2.2) the residual stream between sub-blocks is
+    a sequence shard ``[B, S/tp, dim]``: the RMSNorms run on shards (their weights are replicated
+    DTensors whose gradients are all-reduced), each sub-block's input is all-gathered to
+    ``[B, S, dim]`` and its row-parallel output reduce-scattered back to ``[B, S/tp, dim]``.
+
+    Embedding: row-parallel (vocab rows sharded; each rank looks up the ids it owns, the partial
+    embeddings are summed, or reduce-scattered onto sequence shards). Output: column-parallel over
+    the vocab; with ``loss_parallel`` its logits stay a ``[B, S, vocab]`` DTensor sharded on the
+    vocab dim (``Shard(-1)``), which the trainer's cross entropy consumes inside ``loss_parallel()``;
+    without it they are all-gathered to a plain ``[B, S, vocab]`` tensor.
+
+    Attention must see plain local tensors (DTensor has no sharding rule for the CPU attention
+    kernel): the column-parallel projections return local tensors (``use_local_output``), and the
+    model's ``view(..., -1, head_dim)`` picks up the local head counts.
+
+    Tied embeddings stay tied: both weights are sharded on the vocab dim, so the output re-uses the
+    embedding's DTensor.
+    """
+    # Layout of the residual stream between sub-blocks: sequence shards with SP, else replicated.
+    stream = Shard(1) if sequence_parallel else Replicate()
+    tied = (
+        model.tok_embeddings is not None
+        and model.output is not None
+        and model.output.weight is model.tok_embeddings.weight
+    )
+    plan = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+    if model.norm is not None and sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(
+            input_layouts=stream,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    apply_tensor_parallel(model, tp_mesh, plan)
+    if tied:
+        # parallelize_module distributes each module's weight separately; share the one DTensor.
+        model.output.weight = model.tok_embeddings.weight
+    for block in model.layers.values():
+        apply_tensor_parallel(block, tp_mesh, _block_plan(sequence_parallel))
+
+
+def _block_plan(sequence_parallel: bool) -> dict:
+    """The per-block TP plan (module names relative to a ``TransformerBlock``)."""
+    stream = Shard(1) if sequence_parallel else Replicate()
+    plan = {
+        # Each sub-block's input becomes one Replicate DTensor shared by its column-parallel
+        # projections: with SP that is the all-gather of the norm's sequence shards; in backward
+        # the projections' partial input gradients add up as a DTensor and are reduced once (one
+        # reduce-scatter, or one all-reduce without SP: Megatron's "f" operator) instead of once
+        # per projection. cos/sin (RoPE tables) pass through untouched.
+        "attention": PrepareModuleInput(
+            input_layouts=(stream, None, None), desired_input_layouts=(Replicate(), None, None)
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=stream),
+        "feed_forward": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=stream),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    if sequence_parallel:
+        plan["attention_norm"] = SequenceParallel()
+        plan["ffn_norm"] = SequenceParallel()
+    return plan
