@@ -127,6 +127,9 @@ class ParallelismSection:
     dp_replicate: int = _opt(1, "data-parallel replicas (DDP, or HSDP with dp_shard > 1)")
     dp_shard: int = _opt(-1, "FSDP sharding degree; -1: the rest of the world size")
     cp: int = _opt(1, "context-parallel degree (sequence split)")
+    cp_rotate_method: str = _opt("ring", "how K/V reach every cp rank: ring (P2P, Liu et al.) or allgather",
+                                 choices=("ring", "allgather"))
+    cp_load_balance: bool = _opt(True, "head-tail split: rank i holds chunks i and 2·cp-1-i (equal causal work)")
     tp: int = _opt(1, "tensor-parallel degree")
     pp: int = _opt(1, "pipeline-parallel degree")
     pp_schedule: str = _opt("1F1B", "pipeline schedule by torch.distributed.pipelining name: GPipe, 1F1B, "

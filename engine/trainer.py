@@ -31,6 +31,7 @@ from engine.model_builder import build_meta_model, materialize, resolve_model_ar
 from engine.optimizer import build_optimizer
 from engine.signals import StopRequest
 from engine.tokenizer import Tokenizer
+from parallelisms.context_parallel import ContextParallel, validate_context_parallel
 from parallelisms.grad_norm import clip_grad_norm_
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import loss_parallel_context, to_local
@@ -88,8 +89,16 @@ class Trainer:
                 self.model_args, cfg.parallelism, seq_len=cfg.training.seq_len,
                 device_type=self.device.type, compile_enabled=cfg.compile.enable,
             )
+        if self.parallel_dims.cp_enabled:
+            p = cfg.parallelism
+            validate_context_parallel(cfg.training.seq_len, p.cp, p.tp, p.cp_load_balance, p.cp_rotate_method)
         if self.dist.is_distributed:
             self.parallel_dims.build_mesh(self.device.type)
+        self.context_parallel = (
+            ContextParallel(self.parallel_dims.mesh("cp"), cfg.training.seq_len, cfg.parallelism.cp_load_balance)
+            if self.parallel_dims.cp_enabled
+            else None
+        )
         self.pp_plan = self._plan_pipeline()
         self.dp_rank = self._dp_rank()
         self._build_data(tokenizer)
@@ -242,6 +251,18 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def _cp_shard(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This cp rank's tokens of a [B, S] batch (unchanged without context parallel)."""
+        if self.context_parallel is None:
+            return inputs, labels
+        return self.context_parallel.shard(inputs), self.context_parallel.shard(labels)
+
+    def _cp_context(self):
+        """RoPE rows of this cp rank's positions for the forward and backward (CP), else a no-op."""
+        if self.context_parallel is None:
+            return contextlib.nullcontext()
+        return self.context_parallel.rope_positions(self.model_parts)
+
     def _loss_context(self):
         """``loss_parallel()`` when TP leaves the logits sharded on the vocab dim, else a no-op.
 
@@ -292,7 +313,7 @@ class Trainer:
         """One optimizer step over ``grad_accum_steps`` microbatches; returns loss and grad_norm."""
         data_start = time.perf_counter()
         microbatches = [
-            tuple(t.to(self.device, non_blocking=True) for t in self.dataloader.next_batch())
+            self._cp_shard(*(t.to(self.device, non_blocking=True) for t in self.dataloader.next_batch()))
             for _ in range(self.grad_accum_steps)
         ]
         data_seconds = time.perf_counter() - data_start
@@ -305,7 +326,7 @@ class Trainer:
         compute_start = time.perf_counter()
         for inputs, labels in microbatches:
             # Around the whole call: the loss and its backward (also inside a pipeline schedule).
-            with self._loss_context():
+            with self._loss_context(), self._cp_context():
                 loss += to_local(self.forward_backward(inputs, labels, global_tokens))
         compute_seconds = time.perf_counter() - compute_start
         params = [p for part in self.model_parts for p in part.parameters()]
@@ -313,6 +334,7 @@ class Trainer:
         grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_group=pp_group)
         lr = self.lr_scheduler.get_last_lr()[0]
         self.optimizer.step()
+        model_metrics = self._post_optimizer_step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -332,12 +354,35 @@ class Trainer:
             "global_tokens": int(global_tokens.item()),
             "data_seconds": data_seconds,
             "epoch": self.dataloader.epoch,
+            "model_metrics": model_metrics,
         }
         if self.pp_schedule is not None:
             # Share of the forward/backward time this rank spent idle (waiting on other stages).
             busy = self.stage_timer.busy_seconds()
             record["pp_bubble_fraction"] = max(0.0, 1.0 - busy / compute_seconds)
         return record
+
+    def _post_optimizer_step(self) -> dict[str, float]:
+        """Let model parts update state the optimizer does not own (e.g. MoE load-balancing biases).
+
+        A part may define ``post_optimizer_step()`` returning its metrics of the step as
+        ``{name: (0-dim tensor, "sum" | "min" | "max")}``; they are merged over this rank's parts and
+        the pipeline ranks with that operation, so every rank logs the whole model's value.
+        """
+        merged: dict[str, tuple[torch.Tensor, str]] = {}
+        for part in self.model_parts:
+            hook = getattr(part, "post_optimizer_step", None)
+            for name, (value, op) in (hook() if hook is not None else {}).items():
+                value = value.detach().to(self.device, torch.float64)
+                if name in merged:
+                    combine = {"sum": torch.add, "min": torch.minimum, "max": torch.maximum}[op]
+                    value = combine(merged[name][0], value)
+                merged[name] = (value, op)
+        if self.pp_schedule is not None:  # every stage reports the same names, in the same order
+            group = self.parallel_dims.mesh("pp").get_group()
+            for value, op in merged.values():
+                dist.all_reduce(value, op=getattr(dist.ReduceOp, op.upper()), group=group)
+        return {name: value.item() for name, (value, _) in merged.items()}
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -350,8 +395,8 @@ class Trainer:
         # [loss sum, label tokens]; with PP only the last stage counts, and _pp_sum shares it.
         totals = torch.zeros(2, device=self.device, dtype=torch.float64)
         for inputs, labels in self._val_loader:
-            inputs, labels = inputs.to(self.device), labels.to(self.device)
-            with self._autocast(), self._loss_context():
+            inputs, labels = self._cp_shard(inputs.to(self.device), labels.to(self.device))
+            with self._autocast(), self._loss_context(), self._cp_context():
                 if self.pp_schedule is None:
                     totals[0] += to_local(token_sum_loss(self.model_parts[0](inputs), labels)).double()
                 else:
@@ -395,7 +440,8 @@ class Trainer:
                 )
                 if self.metrics.should_log(self.step):
                     keys = ("loss", "grad_norm", "lr", "epoch", "pp_bubble_fraction")
-                    self.metrics.log(self.step, {key: record[key] for key in keys if key in record})
+                    self.metrics.log(self.step, {**{key: record[key] for key in keys if key in record},
+                                                 **record["model_metrics"]})
                 if gc_freq > 0 and self.step % gc_freq == 0:
                     gc.collect(1)
                 v = self.cfg.validation

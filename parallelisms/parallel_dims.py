@@ -9,12 +9,19 @@ Flattened sub-meshes are named by use (DESIGN.md rule 3):
 - ``dp_shard_cp`` = dp_shard × cp                — parameter sharding (FSDP)
 - ``dp_cp``       = dp_replicate × dp_shard × cp — loss / token-count reduction
 
-Expert parallel (``ep``) is carved out of dp_shard × cp × tp and gets its mesh when the MoE issue
-lands.
+Expert parallel (``ep``) is carved out of dp_shard × cp: dp_shard is unflattened into
+``dp_shard_mod_ep × dp_shard_in_ep`` (ep = dp_shard_in_ep × cp), giving
+
+- ``ep``              = dp_shard_in_ep × cp      — ranks that hold different experts (all-to-all)
+- ``dp_shard_mod_ep`` = dp_shard · cp / ep       — ranks that shard each expert's weights (FSDP)
+- ``ep_hsdp``         = dp_replicate × dp_shard_mod_ep — the same with replicas (HSDP of experts)
+
+Tensor-parallel ranks replicate the MoE layers for now, so ep does not reach into tp.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -22,10 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 # Degrees whose parallelism is not wired into the trainer yet. Each later issue removes its entry.
-_NOT_SUPPORTED_YET = {
-    "cp": "context parallel",
-    "ep": "expert parallel",
-}
+_NOT_SUPPORTED_YET: dict[str, str] = {}
 
 
 class ParallelismError(ValueError):
@@ -45,8 +49,9 @@ class ParallelDims:
 
     Raises:
         ParallelismError: a degree < 1 (other than dp_shard = -1), a product that is not the world
-            size, an ``ep`` that does not divide dp_shard × cp × tp, or a degree whose parallelism
-            is not built yet. Every message names the setting, its value and the fix.
+            size, an ``ep`` that does not divide dp_shard × cp (or is not a multiple of cp), or a
+            degree whose parallelism is not built yet. Every message names the setting, its value
+            and the fix.
     """
 
     dp_replicate: int
@@ -102,10 +107,12 @@ class ParallelDims:
                 f"world_size is {self.world_size}. Make the product equal the number of processes, "
                 "or set dp_shard = -1 to use the rest."
             )
-        if self.ep > 1 and (self.dp_shard * self.cp * self.tp) % self.ep != 0:
+        if self.ep > 1 and ((self.dp_shard * self.cp) % self.ep != 0 or self.ep % self.cp != 0):
+            valid = [self.cp * d for d in range(1, self.dp_shard + 1) if self.dp_shard % d == 0]
             raise ParallelismError(
-                f"parallelism.ep = {self.ep} must divide dp_shard×cp×tp = "
-                f"{self.dp_shard * self.cp * self.tp}: experts are placed over those ranks."
+                f"parallelism.ep = {self.ep} must divide dp_shard×cp = {self.dp_shard * self.cp} and be a "
+                f"multiple of cp = {self.cp}: each expert-parallel group is a block of dp_shard ranks "
+                f"times every cp rank. Set parallelism.ep to one of {valid} (or raise dp_shard)."
             )
         for name, what in _NOT_SUPPORTED_YET.items():
             value = getattr(self, name)
@@ -169,12 +176,28 @@ class ParallelDims:
         self._meshes["dp"] = world["dp_replicate", "dp_shard"]._flatten("dp")
         self._meshes["dp_shard_cp"] = world["dp_shard", "cp"]._flatten("dp_shard_cp")
         self._meshes["dp_cp"] = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-        # HSDP needs a 2-D (replicate, shard) mesh; with cp == 1 it is a plain slice of the world.
-        self._meshes["hsdp"] = world["dp_replicate", "dp_shard"]
+        # HSDP needs a 2-D (replicate, shard) mesh; cp ranks join the shard dim (they hold the same
+        # parameters and see different tokens), which needs the flattened dim when cp > 1.
+        shard_dim = "dp_shard_cp" if self.cp > 1 else "dp_shard"
+        with warnings.catch_warnings():
+            # torch 2.13 has no public partial flatten; slicing the flattened dim is the documented way
+            # until then (it warns that it "will be deprecated").
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+            self._meshes["hsdp"] = world["dp_replicate", shard_dim]
+        if self.ep > 1:
+            self._build_ep_meshes(world)
         return world
 
+    def _build_ep_meshes(self, world: DeviceMesh) -> None:
+        in_ep = self.ep // self.cp
+        split = world._unflatten("dp_shard", (self.dp_shard // in_ep, in_ep), ("dp_shard_mod_ep", "dp_shard_in_ep"))
+        self._meshes["ep"] = split["dp_shard_in_ep", "cp"]._flatten("ep")
+        self._meshes["dp_shard_mod_ep"] = split["dp_shard_mod_ep"]
+        self._meshes["ep_hsdp"] = split["dp_replicate", "dp_shard_mod_ep"]
+
     def mesh(self, name: str) -> DeviceMesh:
-        """The sub-mesh called ``name`` (a dim of MESH_DIM_NAMES, or dp, dp_shard_cp, dp_cp, hsdp).
+        """The sub-mesh called ``name`` (a dim of MESH_DIM_NAMES, or dp, dp_shard_cp, dp_cp, hsdp; with
+        ep > 1 also ep, dp_shard_mod_ep, ep_hsdp).
 
         Raises:
             RuntimeError: the mesh was not built (single process) or has no such name.

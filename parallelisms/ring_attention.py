@@ -27,8 +27,10 @@ def _ring_exchange(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> lis
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     nxt = dist.get_global_rank(group, (rank + 1) % size)
     prv = dist.get_global_rank(group, (rank - 1) % size)
-    received = [torch.empty_like(t) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
+    # gloo needs contiguous buffers, and q/k/v arrive as transposed views.
+    tensors = [t.contiguous() for t in tensors]
+    received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t, nxt, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, r, prv, group) for r in received]
     for request in dist.batch_isend_irecv(ops):
         request.wait()
@@ -132,12 +134,12 @@ def allgather_attention(
 ) -> torch.Tensor:
     """The same result by all-gathering K/V once (more memory, fewer steps; autograd reduce-scatters
     the K/V gradients back). Shapes as :func:`ring_attention`."""
-    from torch.distributed._functional_collectives import all_gather_tensor_autograd
+    from torch.distributed._functional_collectives import all_gather_single_autograd
 
     size = dist.get_world_size(group)
     rank = dist.get_rank(group)
     # Gather along a leading dim, then lay the blocks out along the sequence in rank order.
-    k_all = all_gather_tensor_autograd(k.contiguous(), gather_dim=2, group=group)
-    v_all = all_gather_tensor_autograd(v.contiguous(), gather_dim=2, group=group)
+    k_all = all_gather_single_autograd(k.contiguous(), gather_dim=2, group=group)
+    v_all = all_gather_single_autograd(v.contiguous(), gather_dim=2, group=group)
     mask = positions[rank][:, None] >= positions.reshape(size * positions.shape[1])[None, :]
     return torch.nn.functional.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)

@@ -33,7 +33,8 @@ training.mixed_precision_reduce training.gc_freq
 optimizer.name optimizer.lr optimizer.beta1 optimizer.beta2 optimizer.eps optimizer.weight_decay
 optimizer.implementation
 lr_scheduler.warmup_steps lr_scheduler.decay_type lr_scheduler.decay_ratio lr_scheduler.min_lr
-parallelism.dp_replicate parallelism.dp_shard parallelism.cp parallelism.tp parallelism.pp
+parallelism.dp_replicate parallelism.dp_shard parallelism.cp parallelism.cp_rotate_method
+parallelism.cp_load_balance parallelism.tp parallelism.pp
 parallelism.pp_schedule parallelism.pp_microbatch_size parallelism.pp_stages_per_rank
 parallelism.pp_layers_per_stage parallelism.pp_split_points parallelism.pp_input_weight
 parallelism.pp_output_weight

@@ -36,9 +36,8 @@ def test_modes_by_degrees():
         ({"world_size": 4, "dp_replicate": 3}, "not divisible by dp_replicate×cp×tp×pp = 3"),
         ({"world_size": 2, "dp_shard": 0}, "parallelism.dp_shard = 0"),
         ({"world_size": 2, "dp_replicate": 0}, "parallelism.dp_replicate = 0"),
-        ({"world_size": 4, "cp": 2}, "context parallel is not supported yet"),
-        ({"world_size": 4, "ep": 2}, "expert parallel is not supported yet"),
-        ({"world_size": 4, "ep": 3}, "parallelism.ep = 3 must divide"),
+        ({"world_size": 4, "ep": 3}, "parallelism.ep = 3 must divide dp_shard×cp = 4"),
+        ({"world_size": 4, "tp": 2, "ep": 4}, r"Set parallelism.ep to one of \[1, 2\]"),
     ],
 )
 def test_invalid_degrees(kwargs, message):

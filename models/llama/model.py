@@ -83,6 +83,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        # (q, k, v) -> out on [B, H, S, head_dim]; None is causal SDPA over the local sequence.
+        # Context parallel binds a function that attends over the whole cp-split sequence.
+        self.attention_fn = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [B, S, dim]; cos/sin: [>= S, head_dim // 2] (rows for positions 0..). Returns [B, S, dim].
@@ -111,9 +114,11 @@ class Attention(nn.Module):
             # kernel and hand-written ring attention) then sees plain multi-head tensors.
             xk = xk.repeat_interleave(n_rep, dim=2)
             xv = xv.repeat_interleave(n_rep, dim=2)
-        out = F.scaled_dot_product_attention(
-            xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), is_causal=True
-        )  # [B, H, S, head_dim]
+        xq, xk, xv = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
+        if self.attention_fn is None:
+            out = F.scaled_dot_product_attention(xq, xk, xv, is_causal=True)  # [B, H, S, head_dim]
+        else:
+            out = self.attention_fn(xq, xk, xv)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
     def init_weights(self, init_std: float, seed: int, prefix: str) -> None:
@@ -126,9 +131,10 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU MLP (Shazeer 2020): w2(silu(w1 x) * w3 x); w1/w3 [hidden, dim], w2 [dim, hidden]."""
 
-    def __init__(self, args: LlamaModelArgs):
+    def __init__(self, args: LlamaModelArgs, hidden_dim: int | None = None):
         super().__init__()
-        hidden = args.ffn_hidden_dim
+        # hidden_dim overrides the dense width, e.g. for the shared experts of an MoE layer.
+        hidden = args.ffn_hidden_dim if hidden_dim is None else hidden_dim
         self.w1 = nn.Linear(args.dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, args.dim, bias=False)
         self.w3 = nn.Linear(args.dim, hidden, bias=False)
@@ -186,13 +192,16 @@ class Transformer(nn.Module):
         ValueError: from `LlamaModelArgs.validate()` for inconsistent settings.
     """
 
+    # Model families that change only the block (e.g. models/moe) override this.
+    block_cls = TransformerBlock
+
     def __init__(self, model_args: LlamaModelArgs):
         super().__init__()
         model_args.validate()
         self.model_args = model_args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(model_args.vocab_size, model_args.dim)
         self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(i, model_args) for i in range(model_args.n_layers)}
+            {str(i): self.block_cls(i, model_args) for i in range(model_args.n_layers)}
         )
         self.norm: nn.RMSNorm | None = nn.RMSNorm(model_args.dim, eps=model_args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)

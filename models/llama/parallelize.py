@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import (
 
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import apply_compile
+from parallelisms.context_parallel import apply_cp
 from parallelisms.data_parallel import apply_ddp, apply_fsdp
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import apply_tensor_parallel, enable_async_tp, validate_tensor_parallel
@@ -66,6 +67,16 @@ def parallelize_llama(
         )
         if parallelism_cfg.async_tp:  # accepted by validate_llama_parallelism: CUDA + compile + SP
             enable_async_tp()
+    if parallel_dims.cp_enabled:
+        # Attention over the whole cp-split sequence; inputs, labels and RoPE rows are sharded per
+        # step by the trainer (parallelisms.context_parallel.ContextParallel).
+        apply_cp(
+            model,
+            parallel_dims.mesh("cp"),
+            seq_len=training_cfg.seq_len,
+            load_balance=parallelism_cfg.cp_load_balance,
+            rotate_method=parallelism_cfg.cp_rotate_method,
+        )
     apply_activation_checkpointing(model, ac_cfg.mode, ac_cfg.selective_ac_option)
     if compile_cfg.enable:
         apply_compile(model, backend=compile_cfg.backend)
@@ -80,7 +91,13 @@ def parallelize_llama(
             parallel_dims.mesh(mesh_name),
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,
-            reshard_after_forward=parallelism_cfg.fsdp_reshard_after_forward,
+            # With PP each stage runs several microbatches back to back: re-gathering weights for
+            # every one of them costs more than keeping them, so "default" means "never" there.
+            reshard_after_forward=(
+                "never"
+                if parallel_dims.pp_enabled and parallelism_cfg.fsdp_reshard_after_forward == "default"
+                else parallelism_cfg.fsdp_reshard_after_forward
+            ),
             backend=backend or "gloo",
         )
     elif parallel_dims.ddp_enabled:

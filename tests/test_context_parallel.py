@@ -1,0 +1,36 @@
+"""Context parallel trains the same model as one process (gloo, CPU): loss and grad-norm parity."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist_utils import run_distributed
+from tests.training_utils import assert_parity, base_args, train_and_record
+
+LAYOUTS = {
+    # name: (world_size, overrides); the global batch is 8 sequences of 64 tokens in every layout.
+    "cp2_ring": (2, {"parallelism.cp": 2, "parallelism.dp_shard": 1}),
+    "cp2_allgather_no_load_balance": (
+        2,
+        {"parallelism.cp": 2, "parallelism.dp_shard": 1, "parallelism.cp_rotate_method": "allgather",
+         "parallelism.cp_load_balance": "false"},
+    ),
+    "cp4_ring": (4, {"parallelism.cp": 4, "parallelism.dp_shard": 1}),
+    "cp2_x_fsdp2": (4, {"parallelism.cp": 2, "parallelism.dp_shard": 2, "training.local_batch_size": 4}),
+    "cp2_x_hsdp": (4, {"parallelism.cp": 2, "parallelism.dp_replicate": 2, "parallelism.dp_shard": 1,
+                       "training.local_batch_size": 4}),
+    "cp2_x_pp2": (4, {"parallelism.cp": 2, "parallelism.pp": 2, "parallelism.dp_shard": 1}),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_context_parallel_parity_with_one_process(layout, reference, tmp_path):
+    world_size, overrides = LAYOUTS[layout]
+    for history in run_distributed(train_and_record, world_size, base_args(str(tmp_path), overrides)):
+        assert_parity(history, reference)
+
+
+def test_seq_len_not_divisible_fails_at_start_up(tmp_path):
+    argv = base_args(str(tmp_path), {"parallelism.cp": 2, "parallelism.dp_shard": 1, "training.seq_len": 66})
+    with pytest.raises(RuntimeError, match="training.seq_len = 66 must be divisible by 2·cp·tp = 4"):
+        run_distributed(train_and_record, 2, argv)
