@@ -5,6 +5,8 @@
 #   NNODES       nodes                  (default: 1 → torchrun --standalone)
 #   NODE_RANK, MASTER_ADDR, MASTER_PORT rendezvous for NNODES > 1 (c10d backend)
 # Extra arguments are config overrides: ./run_train.sh --training.steps 20
+# SIGTERM or SIGUSR1 to this script (kill, SLURM preemption) is passed to the training ranks, which
+# finish the current step, save a checkpoint and exit 0; the script then exits 0 too.
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/bootstrap.sh
@@ -40,5 +42,21 @@ fi
 # LOG_RANKS=0,1 shows only those local ranks' output (default: all; only rank 0 logs metrics).
 filter=()
 [ -n "${LOG_RANKS:-}" ] && filter=(--local-ranks-filter="$LOG_RANKS")
-exec "$QUADRA_PYTHON" -m torch.distributed.run "${launch[@]}" "${filter[@]}" \
-  -m engine.train --job.config_file "$CONFIG_FILE" "$@"
+# torchrun turns a signal it receives into a failure of the whole job: it re-sends it to the ranks
+# and exits 1 with a traceback. So signals sent to this script go straight to the ranks (torchrun's
+# children) instead, and torchrun exits 0 when they do. Signals that reach torchrun itself (a signal
+# to the whole process group) still get the ranks TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds to save.
+export TORCHELASTIC_SIGNALS_TO_HANDLE=${TORCHELASTIC_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}
+"$QUADRA_PYTHON" -m torch.distributed.run "${launch[@]}" "${filter[@]}" \
+  -m engine.train --job.config_file "$CONFIG_FILE" "$@" &
+launcher=$!
+forward() { pkill "-$1" -P "$launcher" 2>/dev/null || kill "-$1" "$launcher" 2>/dev/null || true; }
+trap 'forward TERM' TERM
+trap 'forward USR1' USR1
+set +e
+while :; do
+  wait "$launcher"; status=$?
+  kill -0 "$launcher" 2>/dev/null || break   # wait also returns when a trapped signal arrives
+done
+exit "$status"

@@ -157,8 +157,8 @@ class CheckpointManager:
                     f"checkpoint.initial_load_path = {path!r} is not a DCP checkpoint folder (no "
                     f"{files.DCP_METADATA} in it). Fix: point it at a step-N folder of another run, or "
                     "at a folder written by scripts/convert_checkpoint.py from-torch")
-            marker = files.read_marker(path) or {"step": 0, "model_only": True}
-            return path, cfg.initial_load_model_only or bool(marker.get("model_only")), marker
+            # A full load of a weights-only folder fails in _load_full with a clear message.
+            return path, cfg.initial_load_model_only, files.read_marker(path) or {"step": 0}
         else:
             logger.info("no checkpoint in %s: starting from step 0", self.folder)
             return None

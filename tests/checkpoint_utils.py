@@ -44,7 +44,7 @@ def train_run(argv: list[str], steps: int | None = None, signal_at: tuple[int, i
 
     Returns:
         {"losses": {step: loss}, "start_step", "start_position", "end_position", "stopped_by",
-         "windows": global window positions this rank read, "tokens_seen"}.
+         "windows": global window positions this rank read, "dp_rank", "tokens_seen"}.
     """
     import signal
 
@@ -84,6 +84,7 @@ def train_run(argv: list[str], steps: int | None = None, signal_at: tuple[int, i
         "end_position": trainer.dataloader.state_dict()["position"],
         "stopped_by": trainer.stopped_by,
         "windows": windows,
+        "dp_rank": trainer.dp_rank,
         "tokens_seen": trainer.tokens_seen,
     }
 
