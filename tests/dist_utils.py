@@ -52,7 +52,7 @@ def _worker(fn, rank, world_size, port, args, queue, torchrun_env) -> None:
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args, timeout: float = 240.0, torchrun_env: bool = True
+    fn: Callable[..., Any], world_size: int, *args, timeout: float | None = None, torchrun_env: bool = True
 ) -> list[Any]:
     """Call ``fn(*args)`` in ``world_size`` forked processes; return results ordered by rank.
 
@@ -64,6 +64,9 @@ def run_distributed(
     Raises:
         RuntimeError: with every failed rank's traceback, or the ranks that timed out.
     """
+    if timeout is None:
+        # Ranks share 2 cores in CI: start-up and each step slow down with the process count.
+        timeout = 120.0 + 30.0 * world_size
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     port = free_port()

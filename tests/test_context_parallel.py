@@ -20,6 +20,14 @@ LAYOUTS = {
     "cp2_x_hsdp": (4, {"parallelism.cp": 2, "parallelism.dp_replicate": 2, "parallelism.dp_shard": 1,
                        "training.local_batch_size": 4}),
     "cp2_x_pp2": (4, {"parallelism.cp": 2, "parallelism.pp": 2, "parallelism.dp_shard": 1}),
+    "cp2_x_tp2": (4, {"parallelism.cp": 2, "parallelism.tp": 2, "parallelism.dp_shard": 1}),
+    "3d_pp2_x_cp2_x_tp2": (8, {"parallelism.pp": 2, "parallelism.cp": 2, "parallelism.tp": 2, "parallelism.dp_shard": 1}),
+    # The full 4-D mesh, 16 processes: the slowest test of the suite (about a minute on 2 cores).
+    "4d_pp2_x_dp_shard2_x_cp2_x_tp2": (
+        16,
+        {"parallelism.pp": 2, "parallelism.dp_shard": 2, "parallelism.cp": 2, "parallelism.tp": 2,
+         "training.local_batch_size": 4, "parallelism.pp_microbatch_size": 2},
+    ),
 }
 
 

@@ -92,6 +92,11 @@ LAYOUTS = {
     "zbv_zero_bubble": (2, {"parallelism.pp": 2, "parallelism.pp_schedule": "ZBVZeroBubble"}),
     "1f1b_accum2": (2, {"parallelism.pp": 2, "training.local_batch_size": 4}),
     "1f1b_uneven_split": (2, {"parallelism.pp": 2, "parallelism.pp_split_points": "layers.2"}),
+    "3d_1f1b_x_fsdp2_x_tp2": (
+        8,
+        {"parallelism.pp": 2, "parallelism.dp_shard": 2, "parallelism.tp": 2, "training.local_batch_size": 4,
+         "parallelism.pp_microbatch_size": 2},
+    ),
     "1f1b_x_fsdp2": (
         4,
         {"parallelism.pp": 2, "parallelism.dp_shard": 2, "training.local_batch_size": 4, "parallelism.pp_microbatch_size": 2},
