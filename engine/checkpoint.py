@@ -148,6 +148,11 @@ class CheckpointManager:
                     f"{cfg.load_step} in {self.folder!r} (complete: {sorted(found.complete) or 'none'}). "
                     "Fix: pick one of those steps, or set checkpoint.load_step = -1 for the newest")
             path = found.complete[cfg.load_step]
+            newer = [step for step in found.complete if step > cfg.load_step]
+            if newer:
+                logger.warning("checkpoint.load_step = %d: the newer checkpoints %s stay until this run "
+                               "saves over them (a restart without load_step resumes from the newest)",
+                               cfg.load_step, sorted(newer))
         elif found.latest is not None:
             path = found.complete[found.latest]
         elif cfg.initial_load_path:
@@ -350,7 +355,7 @@ class CheckpointManager:
         tmp, final = files.tmp_dir(self.folder, step), files.step_dir(self.folder, step)
         files.write_marker(tmp, marker)
         files.finish(tmp, final)
-        deleted = files.prune(self.folder, self.cfg.keep_latest_k)
+        deleted = files.prune(self.folder, self.cfg.keep_latest_k, keep_step=step)
         logger.info("saved checkpoint %s in %.2f s%s", final, time.perf_counter() - started,
                     f" (deleted step {', '.join(map(str, deleted))})" if deleted else "")
 

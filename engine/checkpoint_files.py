@@ -145,12 +145,16 @@ def remove_partial(scan_result: FolderScan) -> None:
             )
 
 
-def prune(folder: str, keep_latest_k: int) -> list[int]:
-    """Delete all but the newest ``keep_latest_k`` complete checkpoints; 0 keeps all. -> deleted steps."""
+def prune(folder: str, keep_latest_k: int, keep_step: int | None = None) -> list[int]:
+    """Delete all but the newest ``keep_latest_k`` complete checkpoints; 0 keeps all. -> deleted steps.
+
+    ``keep_step`` (the checkpoint just written) is never deleted, even when newer ones are left
+    from before a resume with ``checkpoint.load_step``.
+    """
     if keep_latest_k <= 0:
         return []
     steps = sorted(scan(folder).complete)
-    doomed = steps[:-keep_latest_k]
+    doomed = [step for step in steps[:-keep_latest_k] if step != keep_step]
     for step in doomed:
         shutil.rmtree(step_dir(folder, step), ignore_errors=True)
     return doomed

@@ -41,8 +41,9 @@ def test_scan_prune_and_partial_folders(tmp_path, caplog):
     files.remove_partial(found)
     assert "step-12.tmp" in caplog.text and "step-14" in caplog.text
     assert not os.path.exists(os.path.join(folder, "step-12.tmp")) and os.path.exists(os.path.join(folder, "step-14"))
-    assert files.prune(folder, 0) == [] and files.prune(folder, 2) == [2]
-    assert sorted(files.scan(folder).complete) == [4, 10]
+    assert files.prune(folder, 0) == [] and files.prune(folder, 1, keep_step=2) == [4]
+    assert files.prune(folder, 2) == [] and sorted(files.scan(folder).complete) == [2, 10]
+    assert files.prune(folder, 1) == [2] and sorted(files.scan(folder).complete) == [10]
 
 
 def test_finish_renames_and_replaces(tmp_path):
