@@ -18,7 +18,6 @@ import dataclasses
 import difflib
 import math
 import os
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
+from engine.config_format import cli_value, toml_value
+from engine.config_validation import range_problems
 from engine.config_sections import (  # the section dataclasses, re-exported for type hints
     ActivationCheckpointSection, CheckpointSection, CommSection, CompileSection, DataSection,
     JobSection, LRSchedulerSection, MetricsSection, ModelSection, OptimizerSection,
@@ -81,7 +82,7 @@ class JobConfig:
             ConfigError: one line per problem, each naming the key, the value and the fix.
         """
         # Range checks compare numbers, so they run only once every value has its declared type.
-        problems = _type_problems(self) or _range_problems(self)
+        problems = _type_problems(self) or range_problems(self)
         if problems:
             raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 
@@ -200,7 +201,7 @@ def _parse_argv(argv: list[str]) -> dict[tuple[str, str], Any]:
             else:
                 text = nxt
                 i += 1
-        out[(section, key)] = _parse_cli_value(name, text, f)
+        out[(section, key)] = _parsecli_value(name, text, f)
     return out
 
 
@@ -251,14 +252,14 @@ def _check_native(key: str, value: Any, f: dataclasses.Field) -> Any:
         if not ok and f.metadata.get("int_ok") and isinstance(value, int) and not isinstance(value, bool):
             value, ok = str(value), True
     if not ok:
-        shown = _toml_value(value) if isinstance(value, (bool, int, float, str)) else repr(value)
+        shown = toml_value(value) if isinstance(value, (bool, int, float, str)) else repr(value)
         expected = "a finite float (ints are accepted)" if typ is float else f"a{'n' * (typ is int)} {typ.__name__}"
         raise ConfigError(f"{key} = {shown} has type {type(value).__name__}, expected {expected}. "
-                          f"Fix: write e.g. {key} = {_toml_value(_default(f))}")
+                          f"Fix: write e.g. {key} = {toml_value(_default(f))}")
     return _check_choice(key, value, f)
 
 
-def _parse_cli_value(key: str, text: str, f: dataclasses.Field) -> Any:
+def _parsecli_value(key: str, text: str, f: dataclasses.Field) -> Any:
     """Convert one command-line string to the type of field ``f``."""
     typ = f.type
     try:
@@ -280,7 +281,7 @@ def _parse_cli_value(key: str, text: str, f: dataclasses.Field) -> Any:
     except ValueError:
         words = " (true/false, 1/0, yes/no)" if typ is bool else ""
         raise ConfigError(f"{key} = {text!r} from the command line is not a valid {typ.__name__}"
-                          f"{words}. Fix: e.g. --{key} {_cli_value(_default(f))}") from None
+                          f"{words}. Fix: e.g. --{key} {cli_value(_default(f))}") from None
     return _check_choice(key, value, f)
 
 
@@ -313,75 +314,6 @@ def _type_problems(cfg: JobConfig) -> list[str]:
     return problems
 
 
-def _range_problems(cfg: JobConfig) -> list[str]:
-    """Range and consistency checks; each entry is (bad?, key, value, rule and fix)."""
-    t, o, s = cfg.training, cfg.optimizer, cfg.lr_scheduler
-    v, p, ac = cfg.validation, cfg.parallelism, cfg.activation_checkpoint
-    option = ac.selective_ac_option
-    ac_ok = option == "op" or (re.fullmatch(r"[0-9]+", option) is not None and int(option) > 0)
-    checks: list[tuple[bool, str, Any, str]] = [
-        (t.steps <= 0, "training.steps", t.steps, "must be > 0; set the number of optimizer steps"),
-        (t.local_batch_size <= 0, "training.local_batch_size", t.local_batch_size,
-         "must be > 0 sequences per rank per microbatch"),
-        (t.global_batch_size == 0 or t.global_batch_size < -1, "training.global_batch_size",
-         t.global_batch_size, "must be -1 (local_batch_size * dp) or a positive number of sequences"),
-        (t.global_batch_size > 0 and t.global_batch_size % max(t.local_batch_size, 1) != 0,
-         "training.global_batch_size", t.global_batch_size,
-         f"must be a multiple of training.local_batch_size = {t.local_batch_size}"),
-        (t.seq_len <= 0, "training.seq_len", t.seq_len, "must be > 0 tokens"),
-        (t.gc_freq < 0, "training.gc_freq", t.gc_freq, "must be >= 0 (0 leaves Python's GC on)"),
-        (cfg.model.vocab_size == 0 or cfg.model.vocab_size < -1, "model.vocab_size",
-         cfg.model.vocab_size, "must be -1 (the flavor's size) or a positive vocabulary size"),
-        (o.lr <= 0, "optimizer.lr", o.lr, "must be > 0"),
-        (not 0 <= o.beta1 < 1, "optimizer.beta1", o.beta1, "must be in [0, 1)"),
-        (not 0 <= o.beta2 < 1, "optimizer.beta2", o.beta2, "must be in [0, 1)"),
-        (o.eps <= 0, "optimizer.eps", o.eps, "must be > 0"),
-        (o.weight_decay < 0, "optimizer.weight_decay", o.weight_decay, "must be >= 0"),
-        (s.warmup_steps < 0, "lr_scheduler.warmup_steps", s.warmup_steps, "must be >= 0"),
-        (t.steps > 0 and s.warmup_steps >= t.steps, "lr_scheduler.warmup_steps", s.warmup_steps,
-         f"must be < training.steps = {t.steps}; lower the warmup or train longer"),
-        (not 0 <= s.decay_ratio <= 1, "lr_scheduler.decay_ratio", s.decay_ratio, "must be in [0, 1]"),
-        (s.min_lr < 0, "lr_scheduler.min_lr", s.min_lr, "must be >= 0"),
-        (s.min_lr > o.lr, "lr_scheduler.min_lr", s.min_lr,
-         f"must not exceed optimizer.lr = {o.lr}; set it in [0, optimizer.lr]"),
-        (v.enable and v.freq <= 0, "validation.freq", v.freq,
-         "must be > 0 steps when validation.enable = true"),
-        (v.steps == 0 or v.steps < -1, "validation.steps", v.steps,
-         "must be -1 (whole split) or a positive number of batches"),
-        (p.dp_shard == 0 or p.dp_shard < -1, "parallelism.dp_shard", p.dp_shard,
-         "must be -1 (the rest of the world size) or >= 1"),
-        (cfg.comm.init_timeout_seconds <= 0, "comm.init_timeout_seconds",
-         cfg.comm.init_timeout_seconds, "must be > 0 seconds"),
-        (cfg.metrics.log_freq <= 0, "metrics.log_freq", cfg.metrics.log_freq, "must be > 0 steps"),
-        (cfg.metrics.peak_tflops < 0, "metrics.peak_tflops", cfg.metrics.peak_tflops,
-         "must be >= 0 (0: look up the GPU)"),
-        (not ac_ok, "activation_checkpoint.selective_ac_option", ac.selective_ac_option,
-         'must be "op" or a positive integer N (checkpoint every N-th block), e.g. "2"'),
-    ]
-    checks += _checkpoint_problems(cfg.checkpoint)
-    for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
-        degree = getattr(p, name)
-        checks.append((degree < 1, f"parallelism.{name}", degree, "must be >= 1 (1 disables it)"))
-    return [f"{key} = {_toml_value(value)}: {fix}" for bad, key, value, fix in checks if bad]
-
-
-def _checkpoint_problems(c: CheckpointSection) -> list[tuple[bool, str, Any, str]]:
-    """Range checks of ``[checkpoint]`` (whether paths exist is checked at start-up, on every rank)."""
-    return [
-        (c.interval <= 0, "checkpoint.interval", c.interval, "must be > 0 steps between saves"),
-        (c.keep_latest_k < 0, "checkpoint.keep_latest_k", c.keep_latest_k,
-         "must be >= 0 (0 keeps every checkpoint)"),
-        (c.load_step < -1, "checkpoint.load_step", c.load_step,
-         "must be -1 (the newest checkpoint) or a saved step >= 0"),
-        (c.enable and not c.folder.strip(), "checkpoint.folder", c.folder,
-         'must name a folder, e.g. "checkpoint"'),
-        (not c.enable and c.load_step != -1, "checkpoint.load_step", c.load_step,
-         "is only used with checkpoint.enable = true; enable checkpointing or leave load_step = -1"),
-        (not c.enable and c.initial_load_path != "", "checkpoint.initial_load_path", c.initial_load_path,
-         'is only used with checkpoint.enable = true; enable checkpointing or set it to ""'),
-    ]
-
-
 # ---------------------------------------------------------------- serialisation and help
 
 
@@ -395,7 +327,7 @@ def config_to_toml(cfg: JobConfig) -> str:
     lines: list[str] = []
     for section, table in config_to_dict(cfg).items():
         lines.append(f"[{section}]")
-        lines.extend(f"{key} = {_toml_value(value)}" for key, value in table.items())
+        lines.extend(f"{key} = {toml_value(value)}" for key, value in table.items())
         lines.append("")
     return "\n".join(lines)
 
@@ -412,37 +344,5 @@ def format_help() -> str:
         lines += ["", f"[{section}]"]
         for key, f in fields.items():
             lines.append(f"  --{section}.{key}  ({f.type.__name__}, default: "
-                         f"{_toml_value(_default(f))})  {f.metadata['doc']}")
+                         f"{toml_value(_default(f))})  {f.metadata['doc']}")
     return "\n".join(lines)
-
-
-def _toml_value(value: Any) -> str:
-    """One scalar as TOML source: bool before int (bool is an int subclass); floats via repr."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        return repr(value) if math.isfinite(value) else ("nan" if value != value else
-                                                          ("inf" if value > 0 else "-inf"))
-    if isinstance(value, str):
-        return '"' + "".join(_escape(ch) for ch in value) + '"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
-    raise TypeError(f"cannot write {value!r} ({type(value).__name__}) as a TOML config value")
-
-
-def _escape(ch: str) -> str:
-    # TOML basic strings forbid raw control characters (incl. DEL), '"' and '\'.
-    if ch in '"\\':
-        return "\\" + ch
-    if ord(ch) < 0x20 or ord(ch) == 0x7F:
-        return f"\\u{ord(ch):04X}"
-    return ch
-
-
-def _cli_value(value: Any) -> str:
-    # Example values in error messages: strings unquoted, as a shell user would type them.
-    if isinstance(value, list):
-        return ",".join(value) or '""'
-    return _toml_value(value) if not isinstance(value, str) else (value or '""')

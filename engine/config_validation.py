@@ -1,0 +1,83 @@
+"""Range and consistency checks of a loaded config (``JobConfig.validate`` reports them together).
+
+Each check is ``(bad?, key, value, rule and fix)``; only the checks that need nothing but the config
+live here. Those that need the world size or the data (degree products, batch divisibility by dp,
+dataset paths) run at start-up on every rank (ParallelDims, the data loader, the trainer).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from engine.config_format import toml_value
+from engine.config_sections import CheckpointSection
+
+
+def range_problems(cfg) -> list[str]:
+    """Range and consistency checks; each entry is (bad?, key, value, rule and fix)."""
+    t, o, s = cfg.training, cfg.optimizer, cfg.lr_scheduler
+    v, p, ac = cfg.validation, cfg.parallelism, cfg.activation_checkpoint
+    option = ac.selective_ac_option
+    ac_ok = option == "op" or (re.fullmatch(r"[0-9]+", option) is not None and int(option) > 0)
+    checks: list[tuple[bool, str, Any, str]] = [
+        (t.steps <= 0, "training.steps", t.steps, "must be > 0; set the number of optimizer steps"),
+        (t.local_batch_size <= 0, "training.local_batch_size", t.local_batch_size,
+         "must be > 0 sequences per rank per microbatch"),
+        (t.global_batch_size == 0 or t.global_batch_size < -1, "training.global_batch_size",
+         t.global_batch_size, "must be -1 (local_batch_size * dp) or a positive number of sequences"),
+        (t.global_batch_size > 0 and t.global_batch_size % max(t.local_batch_size, 1) != 0,
+         "training.global_batch_size", t.global_batch_size,
+         f"must be a multiple of training.local_batch_size = {t.local_batch_size}"),
+        (t.seq_len <= 0, "training.seq_len", t.seq_len, "must be > 0 tokens"),
+        (t.gc_freq < 0, "training.gc_freq", t.gc_freq, "must be >= 0 (0 leaves Python's GC on)"),
+        (cfg.model.vocab_size == 0 or cfg.model.vocab_size < -1, "model.vocab_size",
+         cfg.model.vocab_size, "must be -1 (the flavor's size) or a positive vocabulary size"),
+        (o.lr <= 0, "optimizer.lr", o.lr, "must be > 0"),
+        (not 0 <= o.beta1 < 1, "optimizer.beta1", o.beta1, "must be in [0, 1)"),
+        (not 0 <= o.beta2 < 1, "optimizer.beta2", o.beta2, "must be in [0, 1)"),
+        (o.eps <= 0, "optimizer.eps", o.eps, "must be > 0"),
+        (o.weight_decay < 0, "optimizer.weight_decay", o.weight_decay, "must be >= 0"),
+        (s.warmup_steps < 0, "lr_scheduler.warmup_steps", s.warmup_steps, "must be >= 0"),
+        (t.steps > 0 and s.warmup_steps >= t.steps, "lr_scheduler.warmup_steps", s.warmup_steps,
+         f"must be < training.steps = {t.steps}; lower the warmup or train longer"),
+        (not 0 <= s.decay_ratio <= 1, "lr_scheduler.decay_ratio", s.decay_ratio, "must be in [0, 1]"),
+        (s.min_lr < 0, "lr_scheduler.min_lr", s.min_lr, "must be >= 0"),
+        (s.min_lr > o.lr, "lr_scheduler.min_lr", s.min_lr,
+         f"must not exceed optimizer.lr = {o.lr}; set it in [0, optimizer.lr]"),
+        (v.enable and v.freq <= 0, "validation.freq", v.freq,
+         "must be > 0 steps when validation.enable = true"),
+        (v.steps == 0 or v.steps < -1, "validation.steps", v.steps,
+         "must be -1 (whole split) or a positive number of batches"),
+        (p.dp_shard == 0 or p.dp_shard < -1, "parallelism.dp_shard", p.dp_shard,
+         "must be -1 (the rest of the world size) or >= 1"),
+        (cfg.comm.init_timeout_seconds <= 0, "comm.init_timeout_seconds",
+         cfg.comm.init_timeout_seconds, "must be > 0 seconds"),
+        (cfg.metrics.log_freq <= 0, "metrics.log_freq", cfg.metrics.log_freq, "must be > 0 steps"),
+        (cfg.metrics.peak_tflops < 0, "metrics.peak_tflops", cfg.metrics.peak_tflops,
+         "must be >= 0 (0: look up the GPU)"),
+        (not ac_ok, "activation_checkpoint.selective_ac_option", ac.selective_ac_option,
+         'must be "op" or a positive integer N (checkpoint every N-th block), e.g. "2"'),
+    ]
+    checks += checkpoint_problems(cfg.checkpoint)
+    for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
+        degree = getattr(p, name)
+        checks.append((degree < 1, f"parallelism.{name}", degree, "must be >= 1 (1 disables it)"))
+    return [f"{key} = {toml_value(value)}: {fix}" for bad, key, value, fix in checks if bad]
+
+
+def checkpoint_problems(c: CheckpointSection) -> list[tuple[bool, str, Any, str]]:
+    """Range checks of ``[checkpoint]`` (whether paths exist is checked at start-up, on every rank)."""
+    return [
+        (c.interval <= 0, "checkpoint.interval", c.interval, "must be > 0 steps between saves"),
+        (c.keep_latest_k < 0, "checkpoint.keep_latest_k", c.keep_latest_k,
+         "must be >= 0 (0 keeps every checkpoint)"),
+        (c.load_step < -1, "checkpoint.load_step", c.load_step,
+         "must be -1 (the newest checkpoint) or a saved step >= 0"),
+        (c.enable and not c.folder.strip(), "checkpoint.folder", c.folder,
+         'must name a folder, e.g. "checkpoint"'),
+        (not c.enable and c.load_step != -1, "checkpoint.load_step", c.load_step,
+         "is only used with checkpoint.enable = true; enable checkpointing or leave load_step = -1"),
+        (not c.enable and c.initial_load_path != "", "checkpoint.initial_load_path", c.initial_load_path,
+         'is only used with checkpoint.enable = true; enable checkpointing or set it to ""'),
+    ]
