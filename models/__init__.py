@@ -9,8 +9,9 @@ from models.registry import (
     register_model_spec,
 )
 
-# Imported for its side effect: registers the "llama" spec.
+# Imported for their side effect: register the "llama" and "moe" specs.
 from models import llama  # noqa: E402,F401
+from models import moe  # noqa: E402,F401
 
 __all__ = [
     "ModelArgs",

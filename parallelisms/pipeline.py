@@ -221,6 +221,30 @@ def build_stage_module(model: nn.Module, layer_ids: tuple[int, ...], is_first: b
     return stage
 
 
+class _InferenceFreeStage(PipelineStage):
+    """A ``PipelineStage`` whose shape-inference passes leave the module's buffers as they were.
+
+    To learn tensor shapes, torch runs one real forward (and backward) of every stage at the first
+    step and after each eval/train switch; later stages get uninitialized inputs. Buffers updated
+    by the forward (e.g. the MoE routing counts that set load-balancing biases) must not see those
+    passes, so they are snapshotted before and restored after.
+    """
+
+    _buffer_snapshot: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def _prepare_forward_infra(self, *args, **kwargs):
+        if self._buffer_snapshot is None:
+            self._buffer_snapshot = [(b, b.detach().clone()) for b in self.submod.buffers()]
+        return super()._prepare_forward_infra(*args, **kwargs)
+
+    def _post_metadata_inference_cleanup(self) -> None:
+        super()._post_metadata_inference_cleanup()
+        with torch.no_grad():
+            for buffer, saved in self._buffer_snapshot or []:
+                buffer.copy_(saved)
+        self._buffer_snapshot = None
+
+
 def build_pipeline_schedule(
     plan: PipelinePlan,
     stage_modules: list[nn.Module],
@@ -236,7 +260,7 @@ def build_pipeline_schedule(
     _, cls, multi = resolve_schedule(plan.schedule_name)
     group = pp_mesh.get_group()
     stages = [
-        PipelineStage(module, stage_index, plan.num_stages, device, group=group)
+        _InferenceFreeStage(module, stage_index, plan.num_stages, device, group=group)
         for module, stage_index in zip(stage_modules, plan.local_stages)
     ]
     if multi:
