@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -30,16 +29,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised only on Python 3.10
-    import tomli as tomllib
-
 from engine import checkpoint_files as files
 from engine.checkpoint_files import CheckpointError
 from engine.checkpoint_state import (
-    ModelAndOptimizer, first_model_mismatch, quiet_single_process, reapply_lr, rng_state, saved_model_keys,
-    set_rng_state,
+    ModelAndOptimizer, changed_settings, first_model_mismatch, optimizer_settings, quiet_single_process,
+    reapply_lr, restore_optimizer_settings, rng_state, saved_model_keys, set_rng_state,
 )
 
 logger = logging.getLogger("quadra")
@@ -242,6 +236,10 @@ class CheckpointManager:
                 raise CheckpointError(
                     f"checkpoint {path!r} holds no training state ({key} is missing), only model "
                     "weights: set checkpoint.initial_load_model_only = true to start from its weights")
+        # Hyperparameters come from this run's config and the state (moments, step counts, schedule
+        # position) from the checkpoint: the same values when nothing changed, and a changed
+        # optimizer or schedule setting takes effect from the first resumed step.
+        settings, base_lrs = optimizer_settings(self.state.optimizers), list(self.lr_scheduler.base_lrs)
         state = self.state.state_dict()
         state.update(lr_scheduler=self.lr_scheduler.state_dict(), dataloader=self.dataloader.state_dict(),
                      trainer=self.trainer.state_dict())
@@ -256,6 +254,8 @@ class CheckpointManager:
         self._dcp_load(state, path)
         self.state.load_state_dict(state)
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        restore_optimizer_settings(self.state.optimizers, settings)
+        self.lr_scheduler.base_lrs = base_lrs
         reapply_lr(self.lr_scheduler)
         self._load_data_position(state["dataloader"])
         self.trainer.load_state_dict(state["trainer"])
@@ -279,16 +279,9 @@ class CheckpointManager:
                            {k: saved[k] for k in layout}, {k: mine[k] for k in layout})
 
     def _log_changed_settings(self, marker: dict) -> None:
-        if self.dist.rank != 0 or not marker.get("config"):
-            return
-        try:
-            old, new = tomllib.loads(marker["config"]), tomllib.loads(self.config_toml)
-        except tomllib.TOMLDecodeError:
-            return
-        changes = [f"{s}.{k}: {old[s][k]!r} -> {v!r}" for s, table in new.items() for k, v in table.items()
-                   if s in old and k in old[s] and old[s][k] != v]
+        changes = changed_settings(marker["config"], self.config_toml) if marker.get("config") else []
         if changes:
-            logger.info("settings changed since the checkpoint: %s", "; ".join(changes))
+            self._log_once("settings changed since the checkpoint (the new values apply): %s", "; ".join(changes))
 
     # ------------------------------------------------------------------ saving
     def maybe_save(self, step: int, *, final: bool = False) -> None:

@@ -15,6 +15,7 @@ so the stripped keys are unique and the same under every layout.
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from typing import Any, Iterable
 
@@ -27,6 +28,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on Python 3.10
+    import tomli as tomllib
 
 MODEL_KEY = "model"  # top-level keys of the DCP state dict (DCP flattens nested keys with ".")
 OPTIMIZER_KEY = "optimizer"
@@ -120,6 +126,26 @@ def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
     torch.set_rng_state(state["cpu"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def optimizer_settings(optimizers) -> list[list[dict]]:
+    """Each param group's settings (lr, betas, eps, weight_decay, ..., not its params), per optimizer."""
+    return [[{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
+            for opt in optimizers]
+
+
+def restore_optimizer_settings(optimizers, settings: list[list[dict]]) -> None:
+    """Put back settings taken with ``optimizer_settings`` (over those a loaded state brought)."""
+    for opt, groups in zip(optimizers, settings):
+        for group, saved in zip(opt.param_groups, groups):
+            group.update(saved)
+
+
+def changed_settings(old_toml: str, new_toml: str) -> list[str]:
+    """``section.key: old -> new`` for every config key whose value differs between two config TOMLs."""
+    old, new = tomllib.loads(old_toml), tomllib.loads(new_toml)
+    return [f"{s}.{k}: {old[s][k]!r} -> {v!r}" for s, table in new.items() for k, v in table.items()
+            if s in old and k in old[s] and old[s][k] != v]
 
 
 def reapply_lr(lr_scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:

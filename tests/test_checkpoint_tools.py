@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from engine import checkpoint_files as files
-from engine.checkpoint_state import _restore, _strip, reapply_lr
+from engine.checkpoint_state import (
+    _restore, _strip, changed_settings, optimizer_settings, reapply_lr, restore_optimizer_settings,
+)
 from engine.signals import StopRequest
 from tests.dist_utils import run_distributed
 from tests.training_utils import REPO, base_args
@@ -93,6 +95,24 @@ def test_reapply_lr_matches_the_scheduler_and_takes_a_new_schedule():
     assert same.optimizer.param_groups[0]["lr"] == saved.optimizer.param_groups[0]["lr"]
     assert same.get_last_lr() == saved.get_last_lr()
     assert longer.get_last_lr()[0] > saved.get_last_lr()[0]  # the longer cosine decays more slowly
+
+
+def test_config_settings_win_over_the_checkpoint():
+    """On resume the optimizer's hyperparameters are this run's; the diff of the configs is logged."""
+    from engine.config import JobConfig, config_to_toml
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    now = torch.optim.AdamW([param], lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+    settings = optimizer_settings([now])
+    saved = torch.optim.AdamW([param], lr=5e-4, betas=(0.8, 0.9), weight_decay=0.0)
+    now.load_state_dict(saved.state_dict())  # what loading a checkpoint does to the groups
+    assert now.param_groups[0]["betas"] == (0.8, 0.9)
+    restore_optimizer_settings([now], settings)
+    assert (now.param_groups[0]["lr"], now.param_groups[0]["betas"]) == (1e-3, (0.9, 0.99))
+    old, new = JobConfig(), JobConfig()
+    new.optimizer.lr, new.parallelism.dp_shard = 1e-4, 2
+    assert changed_settings(config_to_toml(old), config_to_toml(new)) == [
+        "optimizer.lr: 0.0008 -> 0.0001", "parallelism.dp_shard: -1 -> 2"]
 
 
 def test_stop_request_records_sigterm_and_sigusr1():
