@@ -33,6 +33,7 @@ __all__ = [
     "loss_parallel_context",
     "to_local",
     "validate_tensor_parallel",
+    "wait_async_output",
 ]
 
 
@@ -151,6 +152,23 @@ def to_local(tensor):
     if not all(p.is_replicate() for p in tensor.placements):
         raise ValueError(f"expected a replicated DTensor, got placements {tensor.placements}")
     return tensor.to_local()
+
+
+def wait_async_output(module: nn.Module) -> None:
+    """Make ``module`` return a plain tensor instead of an un-awaited async collective result.
+
+    TP styles redistribute their outputs asynchronously: with ``use_local_output`` the module
+    returns an ``AsyncCollectiveTensor`` that waits on first use. Handed as an input to a
+    ``torch.compile``'d block, it breaks backward in torch 2.13 (DTensor's redistribute backward
+    receives a plain gradient: "'Tensor' object has no attribute '_local_tensor'"). One element-wise
+    op outside the compiled region waits for the collective and keeps autograd connected; it costs a
+    copy of the output (e.g. the [B, S/tp, dim] embedding), so apply it only in front of compiled code.
+    """
+
+    def _materialize(_module, _inputs, output):
+        return output.clone()
+
+    module.register_forward_hook(_materialize)
 
 
 def enable_async_tp() -> None:

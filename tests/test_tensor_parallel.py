@@ -22,12 +22,15 @@ SP_LP = {"parallelism.sequence_parallel": "true", "parallelism.loss_parallel": "
 NO_SP_NO_LP = {"parallelism.sequence_parallel": "false", "parallelism.loss_parallel": "false"}
 SP_ONLY = {"parallelism.sequence_parallel": "true", "parallelism.loss_parallel": "false"}
 LP_ONLY = {"parallelism.sequence_parallel": "false", "parallelism.loss_parallel": "true"}
+AC_COMPILE = {"activation_checkpoint.mode": "selective", "compile.enable": "true", "compile.backend": "aot_eager"}
 # Every layout runs with and without sequence parallel and with and without loss parallel; the
 # four combinations are spread over the layouts so that each Trainer run (the cost) adds one.
 LAYOUTS = {
     # name: (world_size, overrides); the global batch is 8 sequences in every layout.
     "tp2_sp_lp": (2, {**TP2, **SP_LP}),
     "tp2_no_sp_no_lp": (2, {**TP2, **NO_SP_NO_LP}),
+    # The documented order TP -> activation checkpointing -> compile (aot_eager: no code generation).
+    "tp2_sp_lp_ac_compile": (2, {**TP2, **SP_LP, **AC_COMPILE}),
     "tp4_sp_only": (4, {**TP4, **SP_ONLY}),
     "tp4_lp_only": (4, {**TP4, **LP_ONLY}),
     "tp2_fsdp2_sp_lp": (4, {**TP2_FSDP2, **SP_LP}),

@@ -29,7 +29,12 @@ from parallelisms.compile import apply_compile
 from parallelisms.context_parallel import apply_cp
 from parallelisms.data_parallel import apply_ddp, apply_fsdp
 from parallelisms.parallel_dims import ParallelDims
-from parallelisms.tensor_parallel import apply_tensor_parallel, enable_async_tp, validate_tensor_parallel
+from parallelisms.tensor_parallel import (
+    apply_tensor_parallel,
+    enable_async_tp,
+    validate_tensor_parallel,
+    wait_async_output,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -67,6 +72,8 @@ def parallelize_llama(
         )
         if parallelism_cfg.async_tp:  # accepted by validate_llama_parallelism: CUDA + compile + SP
             enable_async_tp()
+        if compile_cfg.enable and model.tok_embeddings is not None:
+            wait_async_output(model.tok_embeddings)  # its output is the first compiled block's input
     if parallel_dims.cp_enabled:
         # Attention over the whole cp-split sequence; inputs, labels and RoPE rows are sharded per
         # step by the trainer (parallelisms.context_parallel.ContextParallel).
