@@ -71,3 +71,32 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> nn.Module:
     model.init_weights(seed=seed, buffer_device=device)
     model.train()
     return model
+
+
+def build_model_parts(spec: ModelSpec, args, *, plan, parallelize, device: torch.device, seed: int):
+    """The model parts this rank trains, parallelized and initialized.
+
+    Args:
+        spec, args: from :func:`resolve_model_args`.
+        plan: a ``PipelinePlan`` (this rank's stages), or None for the whole model as one part.
+        parallelize: ``part -> None``, the model's plan with its settings bound (TP, CP, AC, compile,
+            FSDP/DDP), applied to every part on the meta device before allocation.
+        device: where the parts live; seed: initialization seed (``training.seed``).
+
+    Returns:
+        (parts, nparams, flops_per_token): FLOPs and parameters of the *whole* model, since MFU
+        divides by every device that shares a sample (pipeline ranks included).
+    """
+    from parallelisms.pipeline import build_stage_module
+
+    model = build_meta_model(spec, args)
+    nparams, flops_per_token = args.get_nparams_and_flops(model, args.max_seq_len)
+    if plan is None:
+        parts = [model]
+    else:
+        last = plan.num_stages - 1
+        parts = [build_stage_module(model, plan.stage_layers[s], s == 0, s == last) for s in plan.local_stages]
+    for part in parts:
+        parallelize(part)
+        materialize(part, device, seed)
+    return parts, nparams, flops_per_token

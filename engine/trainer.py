@@ -19,7 +19,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from engine.checkpoint import CheckpointManager
 from engine.config import JobConfig, config_to_toml
@@ -27,35 +26,18 @@ from engine.data import build_dataloader, build_validation_dataloader
 from engine.distributed import init_distributed
 from engine.lr_scheduler import build_lr_scheduler
 from engine.metrics import MetricsLogger
-from engine.model_builder import build_meta_model, materialize, resolve_model_args
+from engine.loss import IGNORE_INDEX, token_sum_loss
+from engine.model_builder import build_model_parts, resolve_model_args
 from engine.optimizer import build_optimizer
+from engine.pipeline_runner import PipelineRunner, plan_model_pipeline
 from engine.signals import StopRequest
 from engine.tokenizer import Tokenizer
 from parallelisms.context_parallel import ContextParallel, validate_context_parallel
 from parallelisms.grad_norm import clip_grad_norm_
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import loss_parallel_context, to_local
-from parallelisms.pipeline import (
-    PipelineConfigError,
-    build_pipeline_schedule,
-    build_stage_module,
-    plan_pipeline,
-)
-from parallelisms.pipeline_timing import StageBusyTimer
 
 logger = logging.getLogger("quadra")
-
-IGNORE_INDEX = -100
-
-
-def token_sum_loss(logits: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor | float = 1.0) -> torch.Tensor:
-    """Σ cross entropy (nats) over the label tokens of ``logits`` [B, S, V] / ``labels`` [B, S],
-    divided by ``global_tokens`` (the step's label-token count over all ranks and microbatches)."""
-    loss_sum = F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
-    )
-    return loss_sum / global_tokens
-
 
 class TrainingDivergedError(RuntimeError):
     """The loss became NaN or Inf; raised on every rank at the same step."""
@@ -122,15 +104,8 @@ class Trainer:
         """Validate pipeline settings before any heavy work; None without pipeline parallel."""
         if not self.parallel_dims.pp_enabled:
             return None
-        if self.model_args.tie_embeddings:
-            raise PipelineConfigError(
-                "model.tie_embeddings = true cannot be split across pipeline stages (the embedding and the "
-                "output head live on different stages); set model.tie_embeddings = false or parallelism.pp = 1."
-            )
-        return plan_pipeline(
-            self.cfg.parallelism,
-            n_layers=self.model_args.n_layers,
-            local_batch_size=self.cfg.training.local_batch_size,
+        return plan_model_pipeline(
+            self.cfg.parallelism, self.model_args, local_batch_size=self.cfg.training.local_batch_size,
             pp_rank=self.parallel_dims.mesh("pp").get_local_rank(),
         )
 
@@ -168,34 +143,18 @@ class Trainer:
         torch.manual_seed(cfg.training.seed)
         if cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
-        model = build_meta_model(self.model_spec, self.model_args)
-        # FLOPs of the whole model: MFU divides by every device that shares a sample (pp included).
-        self.nparams, self.flops_per_token = self.model_args.get_nparams_and_flops(model, cfg.training.seq_len)
-        plan = self.pp_plan
-        if plan is None:
-            parts = [model]
-        else:
-            last = plan.num_stages - 1
-            parts = [build_stage_module(model, plan.stage_layers[s], s == 0, s == last) for s in plan.local_stages]
-        for part in parts:
-            self.model_spec.parallelize_fn(
-                part,
-                self.parallel_dims,
-                parallelism_cfg=cfg.parallelism,
-                training_cfg=cfg.training,
-                ac_cfg=cfg.activation_checkpoint,
-                compile_cfg=cfg.compile,
-                backend=self.dist.backend,
-            )
-            materialize(part, self.device, cfg.training.seed)
-        self.pp_schedule = None
-        if plan is not None:
-            self.pp_schedule, stages = build_pipeline_schedule(
-                plan, parts, self.parallel_dims.mesh("pp"), self.device, token_sum_loss
-            )
-            self.pp_has_first = 0 in plan.local_stages
-            self.pp_has_last = plan.num_stages - 1 in plan.local_stages
-            self.stage_timer = StageBusyTimer(stages, self.device)
+        parts, self.nparams, self.flops_per_token = build_model_parts(
+            self.model_spec, self.model_args, plan=self.pp_plan, device=self.device, seed=cfg.training.seed,
+            parallelize=lambda part: self.model_spec.parallelize_fn(
+                part, self.parallel_dims, parallelism_cfg=cfg.parallelism, training_cfg=cfg.training,
+                ac_cfg=cfg.activation_checkpoint, compile_cfg=cfg.compile, backend=self.dist.backend,
+            ),
+        )
+        self.pipeline = (
+            PipelineRunner(self.pp_plan, parts, self.parallel_dims.mesh("pp"), self.device)
+            if self.pp_plan is not None
+            else None
+        )
         return parts
 
     def _build_checkpointer(self) -> CheckpointManager:
@@ -240,9 +199,7 @@ class Trainer:
 
     def _pp_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over pipeline ranks: brings the last stage's loss to every rank (others hold 0)."""
-        if self.pp_schedule is not None:
-            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.parallel_dims.mesh("pp").get_group())
-        return value
+        return self.pipeline.sum_over_stages(value) if self.pipeline is not None else value
 
     def _autocast(self):
         """bf16 autocast when mixed precision is asked for and no FSDP/DDP policy applies it."""
@@ -282,32 +239,15 @@ class Trainer:
         Returns:
             This microbatch's contribution to the step loss (detached): token-sum CE / global_tokens.
         """
-        if self.pp_schedule is not None:
-            return self._pipeline_forward_backward(inputs, labels, global_tokens)
-        model = self.model_parts[0]
+        if self.pipeline is not None:  # the loss is only known on the last stage (0 elsewhere)
+            with self._autocast():
+                return self.pipeline.forward_backward(inputs, labels, global_tokens)
         with self._autocast():
-            logits = model(inputs)
+            logits = self.model_parts[0](inputs)
         loss = token_sum_loss(logits, labels, global_tokens)
         del logits
         loss.backward()
         return loss.detach()
-
-    def _pipeline_forward_backward(self, inputs, labels, global_tokens) -> torch.Tensor:
-        """One schedule step over this microbatch's pipeline microbatches; the loss is only known on
-        the rank holding the last stage (0 elsewhere until ``_pp_sum``)."""
-        losses: list[torch.Tensor] | None = [] if self.pp_has_last else None
-        args = (inputs,) if self.pp_has_first else ()
-        with self._autocast():
-            self.pp_schedule.step(
-                *args,
-                target=labels if self.pp_has_last else None,
-                losses=losses,
-                return_outputs=False,
-                loss_kwargs={"global_tokens": global_tokens},
-            )
-        if losses:
-            return torch.stack([loss.detach() for loss in losses]).sum()
-        return torch.zeros((), device=self.device)
 
     def train_step(self) -> dict:
         """One optimizer step over ``grad_accum_steps`` microbatches; returns loss and grad_norm."""
@@ -321,8 +261,8 @@ class Trainer:
         global_tokens = self._dp_sum(torch.tensor(float(local_tokens), device=self.device))
 
         loss = torch.zeros((), device=self.device)
-        if self.pp_schedule is not None:
-            self.stage_timer.reset()
+        if self.pipeline is not None:
+            self.pipeline.timer.reset()
         compute_start = time.perf_counter()
         for inputs, labels in microbatches:
             # Around the whole call: the loss and its backward (also inside a pipeline schedule).
@@ -330,7 +270,7 @@ class Trainer:
                 loss += to_local(self.forward_backward(inputs, labels, global_tokens))
         compute_seconds = time.perf_counter() - compute_start
         params = [p for part in self.model_parts for p in part.parameters()]
-        pp_group = self.parallel_dims.mesh("pp").get_group() if self.pp_schedule is not None else None
+        pp_group = self.pipeline.group if self.pipeline is not None else None
         grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_group=pp_group)
         lr = self.lr_scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -356,9 +296,9 @@ class Trainer:
             "epoch": self.dataloader.epoch,
             "model_metrics": model_metrics,
         }
-        if self.pp_schedule is not None:
+        if self.pipeline is not None:
             # Share of the forward/backward time this rank spent idle (waiting on other stages).
-            busy = self.stage_timer.busy_seconds()
+            busy = self.pipeline.timer.busy_seconds()
             record["pp_bubble_fraction"] = max(0.0, 1.0 - busy / compute_seconds)
         return record
 
@@ -378,10 +318,9 @@ class Trainer:
                     combine = {"sum": torch.add, "min": torch.minimum, "max": torch.maximum}[op]
                     value = combine(merged[name][0], value)
                 merged[name] = (value, op)
-        if self.pp_schedule is not None:  # every stage reports the same names, in the same order
-            group = self.parallel_dims.mesh("pp").get_group()
+        if self.pipeline is not None:  # every stage reports the same names, in the same order
             for value, op in merged.values():
-                dist.all_reduce(value, op=getattr(dist.ReduceOp, op.upper()), group=group)
+                dist.all_reduce(value, op=getattr(dist.ReduceOp, op.upper()), group=self.pipeline.group)
         return {name: value.item() for name, (value, _) in merged.items()}
 
     # ------------------------------------------------------------------ evaluation
@@ -397,14 +336,11 @@ class Trainer:
         for inputs, labels in self._val_loader:
             inputs, labels = self._cp_shard(inputs.to(self.device), labels.to(self.device))
             with self._autocast(), self._loss_context(), self._cp_context():
-                if self.pp_schedule is None:
+                if self.pipeline is None:
                     totals[0] += to_local(token_sum_loss(self.model_parts[0](inputs), labels)).double()
                 else:
-                    losses: list[torch.Tensor] = []
-                    args = (inputs,) if self.pp_has_first else ()
-                    self.pp_schedule.eval(*args, target=labels if self.pp_has_last else None, losses=losses)
-                    totals[0] += sum(loss.double() for loss in losses) if losses else 0.0
-            if self.pp_schedule is None or self.pp_has_last:
+                    totals[0] += self.pipeline.evaluate(inputs, labels)
+            if self.pipeline is None or self.pipeline.has_last:
                 totals[1] += (labels != IGNORE_INDEX).sum()
         for part in self.model_parts:
             part.train()
