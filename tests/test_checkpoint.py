@@ -44,6 +44,10 @@ LAYOUTS = {
     "pp2": (2, {"parallelism.pp": 2, "parallelism.dp_shard": 1, "training.local_batch_size": 8,
                 "parallelism.pp_microbatch_size": 4}, "copy"),
     "cp2": (2, {"parallelism.cp": 2, "parallelism.dp_shard": 1, "training.local_batch_size": 8}, "copy"),
+    # The MoE model with expert parallel: experts sharded over ep, the rest FSDP; its load-balancing
+    # expert biases (updated after each optimizer step) are model state too.
+    "ep2": (2, {"model.name": "moe", "parallelism.dp_shard": 2, "parallelism.ep": 2,
+                "training.local_batch_size": 4}, "copy"),
 }
 
 
