@@ -145,6 +145,11 @@ def _export_round_trip(folder: str) -> dict:
     live = {k: v.clone() for k, v in trainer.model_parts[0].state_dict().items()}
     trainer.close()
     step2 = os.path.join(folder, "run", "checkpoint", "step-2")
+    # Other data (here: another seq_len) makes the saved window position meaningless: the run
+    # resumes model, optimizer and step, warns, and reads the new data from its first window.
+    other_data = trainer_in("run", **{"training.seq_len": 32})
+    out["other_data"] = (other_data.step, other_data.dataloader.state_dict()["position"])
+    other_data.close()
     pt, pt16 = os.path.join(folder, "model.pt"), os.path.join(folder, "model_bf16.pt")
     out["count"] = export_model_weights(step2, pt)
     export_model_weights(step2, pt16, dtype="bfloat16")
@@ -175,8 +180,8 @@ def _export_round_trip(folder: str) -> dict:
 
 def test_export_import_and_seed_round_trip(tmp_path):
     (out,) = run_distributed(_export_round_trip, 1, str(tmp_path), torchrun_env=False)
-    assert out == {"count": 57, "export_equals_live": True, "bf16": True, "refuses_existing": True,
-                   "import_equals_live": True, "seed_loaded": True}
+    assert out == {"other_data": (2, 0), "count": 57, "export_equals_live": True, "bf16": True,
+                   "refuses_existing": True, "import_equals_live": True, "seed_loaded": True}
 
 
 def test_command_line_scripts(tmp_path):
