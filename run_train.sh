@@ -17,10 +17,20 @@ for arg in "$@"; do
     exec "$QUADRA_PYTHON" -m engine.train --job.config_file "$CONFIG_FILE" --help
   fi
 done
+if [ ! -f "$CONFIG_FILE" ]; then
+  echo "config error: CONFIG_FILE=$CONFIG_FILE does not exist; point CONFIG_FILE at a TOML file (see train_configs/)" >&2
+  exit 2
+fi
+# Reject a bad config once, in about a second, before any rank starts (exit status 2).
+"$QUADRA_PYTHON" -m engine.check_config --job.config_file "$CONFIG_FILE" "$@" || exit $?
 
 NNODES=${NNODES:-1}
 if [ -z "${NGPU:-}" ]; then
-  NGPU=$("$QUADRA_PYTHON" -c "import torch; print(torch.cuda.device_count())")
+  NGPU=0
+  # Importing torch costs seconds: ask it for the GPU count only where a GPU driver is present.
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    NGPU=$("$QUADRA_PYTHON" -c "import torch; print(torch.cuda.device_count())")
+  fi
   [ "$NGPU" -gt 0 ] || NGPU=2
 fi
 # One intra-op thread per process unless told otherwise: processes share the cores.

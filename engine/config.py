@@ -132,7 +132,7 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
     argv = list(sys.argv[1:] if argv is None else argv)
     # Help wins over everything else, so it works even next to a broken override.
     if "-h" in argv or "--help" in argv:
-        print(format_help())
+        print(format_help(_values_for_help(argv)))
         raise SystemExit(0)
     # Parse the CLI first: it names the TOML file, and its errors need no file I/O.
     cli = _parse_argv(argv)
@@ -332,8 +332,20 @@ def config_to_toml(cfg: JobConfig) -> str:
     return "\n".join(lines)
 
 
-def format_help() -> str:
-    """The ``--help`` text: one ``--section.key  (type, default: X)  doc`` line per key."""
+def _values_for_help(argv: list[str]) -> dict[tuple[str, str], Any]:
+    """The TOML file's and the command line's values, best effort (help must work with bad ones)."""
+    try:
+        cli = _parse_argv([a for a in argv if a not in ("-h", "--help")])
+        path = cli.get(("job", "config_file"), "")
+        return {**(_read_toml(path) if path else {}), **cli}
+    except ConfigError:
+        return {}
+
+
+def format_help(current: dict[tuple[str, str], Any] | None = None) -> str:
+    """The ``--help`` text: one ``--section.key  (type, default: X)  doc`` line per key; keys set by
+    the config file or the command line (``current``) also show ``set: Y``."""
+    current = current or {}
     lines = [
         "usage: python -m engine.train [--job.config_file FILE.toml] [--section.key VALUE ...]",
         "Each key may be set in the TOML file ([section] key = value) or on the command line as",
@@ -343,6 +355,7 @@ def format_help() -> str:
     for section, fields in _FIELDS.items():
         lines += ["", f"[{section}]"]
         for key, f in fields.items():
+            set_here = f", set: {toml_value(current[section, key])}" if (section, key) in current else ""
             lines.append(f"  --{section}.{key}  ({f.type.__name__}, default: "
-                         f"{toml_value(_default(f))})  {f.metadata['doc']}")
+                         f"{toml_value(_default(f))}{set_here})  {f.metadata['doc']}")
     return "\n".join(lines)

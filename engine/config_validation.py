@@ -43,7 +43,7 @@ def range_problems(cfg) -> list[str]:
          f"must be < training.steps = {t.steps}; lower the warmup or train longer"),
         (not 0 <= s.decay_ratio <= 1, "lr_scheduler.decay_ratio", s.decay_ratio, "must be in [0, 1]"),
         (s.min_lr < 0, "lr_scheduler.min_lr", s.min_lr, "must be >= 0"),
-        (s.min_lr > o.lr, "lr_scheduler.min_lr", s.min_lr,
+        (o.lr > 0 and s.min_lr > o.lr, "lr_scheduler.min_lr", s.min_lr,
          f"must not exceed optimizer.lr = {o.lr}; set it in [0, optimizer.lr]"),
         (v.enable and v.freq <= 0, "validation.freq", v.freq,
          "must be > 0 steps when validation.enable = true"),

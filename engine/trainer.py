@@ -282,9 +282,10 @@ class Trainer:
         loss = self._pp_sum(self._dp_sum(loss)).item()
         grad_norm = grad_norm.item()
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            clip = "" if self.cfg.training.max_norm > 0 else ", or set training.max_norm to clip gradients"
             raise TrainingDivergedError(
                 f"loss is {loss} (grad_norm {grad_norm}) at step {self.step}: training diverged. Lower "
-                "optimizer.lr, raise lr_scheduler.warmup_steps, or set training.max_norm to clip gradients."
+                f"optimizer.lr or raise lr_scheduler.warmup_steps{clip}."
             )
         record = {
             "loss": loss,

@@ -5,13 +5,16 @@
 # install (CPU or CUDA) is used as is; torch==2.13.0 is installed only when no torch is found.
 _quadra_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 _quadra_has_deps() {
+  # find_spec locates the packages without importing them (importing torch alone takes seconds).
   "$1" - <<'PY' >/dev/null 2>&1
 import sys
+from importlib.util import find_spec
 assert sys.version_info >= (3, 10)
-import torch, sentencepiece, datasets, pytest  # noqa: F401
-from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+needed = ["torch", "sentencepiece", "datasets", "tensorboard", "pytest"]
 if sys.version_info < (3, 11):
-    import tomli  # noqa: F401
+    needed.append("tomli")
+missing = [name for name in needed if find_spec(name) is None]
+sys.exit(1 if missing else 0)
 PY
 }
 QUADRA_PYTHON=${PYTHON:-python3}
@@ -19,10 +22,14 @@ if ! _quadra_has_deps "$QUADRA_PYTHON"; then
   QUADRA_PYTHON="$_quadra_root/.venv/bin/python"
   if ! { [ -x "$QUADRA_PYTHON" ] && _quadra_has_deps "$QUADRA_PYTHON"; }; then
     _log="$_quadra_root/.venv-setup.log"
+    exec 3>&2  # the terminal, while the install's own output goes to the log
     echo "quadra: first run: creating .venv and installing dependencies (pip install -e \".[dev]\"; log: .venv-setup.log)" >&2
     {
       "${PYTHON:-python3}" -m venv --system-site-packages "$_quadra_root/.venv" &&
-      if ! "$QUADRA_PYTHON" -c "import torch" 2>/dev/null; then
+      if "$QUADRA_PYTHON" -c "import torch" 2>/dev/null; then
+        echo "quadra: using the torch already installed" >&3
+      else
+        echo "quadra: installing torch==2.13.0" >&3
         "$QUADRA_PYTHON" -m pip install "torch==2.13.0"
       fi &&
       "$QUADRA_PYTHON" -m pip install -e "$_quadra_root[dev]"

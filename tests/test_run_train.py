@@ -51,10 +51,31 @@ def test_debug_model_trains_and_logs(tmp_path):
     assert "step: 10  loss: " in run.stdout
 
 
-BAD_INPUTS = {
+CONFIG_ERRORS = {
     "misspelled key": (["--training.stpes", "10"], "did you mean 'training.steps'"),
     "wrong type": (["--training.steps", "ten"], "training.steps"),
-    "zero lr": (["--optimizer.lr", "0"], "optimizer.lr"),
+    "zero lr": (["--optimizer.lr", "0"], "optimizer.lr = 0.0: must be > 0"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_ERRORS))
+def test_bad_config_is_refused_before_any_rank_starts(case, tmp_path):
+    """run_train.sh checks the config in one process first: one line, exit 2, no torchrun."""
+    args, expected = CONFIG_ERRORS[case]
+    run = _run(["--job.dump_folder", str(tmp_path), *args], timeout=60)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert run.stderr.startswith("config error: ") and expected in run.stderr, run.stderr[-2000:]
+    assert "torch.distributed" not in run.stderr and "Traceback" not in run.stderr
+
+
+def test_missing_config_file_names_the_variable(tmp_path):
+    env_file = str(tmp_path / "missing.toml")
+    run = subprocess.run([os.path.join(REPO, "run_train.sh")], cwd=REPO, capture_output=True, text=True,
+                         env=dict(os.environ, CONFIG_FILE=env_file), timeout=60)
+    assert run.returncode == 2 and f"CONFIG_FILE={env_file} does not exist" in run.stderr
+
+
+SETUP_ERRORS = {
     "degrees vs world size": (["--parallelism.dp_shard", "3"], "world_size is 2"),
     "global batch": (["--training.global_batch_size", "12"], "training.global_batch_size"),
     "missing dataset": (["--data.path", "/nonexistent/corpus.jsonl"], "data.path"),
@@ -64,9 +85,10 @@ BAD_INPUTS = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
-def test_bad_input_fails_on_every_rank_before_training(case, tmp_path):
-    args, expected = BAD_INPUTS[case]
+@pytest.mark.parametrize("case", sorted(SETUP_ERRORS))
+def test_bad_setup_fails_on_every_rank_before_training(case, tmp_path):
+    """Errors that need the world size, the tokenizer or the data: every rank says it, then exits."""
+    args, expected = SETUP_ERRORS[case]
     start = time.monotonic()
     run = _run(["--job.dump_folder", str(tmp_path), *args], timeout=120)
     elapsed = time.monotonic() - start
