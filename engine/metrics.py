@@ -253,8 +253,10 @@ class MetricsLogger:
         record.update(self._interval_metrics(step))
         record.update(device_memory_stats(self.device, reset=True))
         self._reset_interval()
-        if self.is_logging_rank:
+        if self.is_logging_rank or getattr(self.cfg, "log_all_ranks", False):
+            # Other ranks print only when asked (e.g. to see every pipeline rank report the same loss).
             logger.info(self._console_line(record, list(metrics)))
+        if self.is_logging_rank:
             self._write("train", record)
         return record
 

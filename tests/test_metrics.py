@@ -14,7 +14,7 @@ from engine.metrics import MetricsLogger, device_memory_stats, format_duration, 
 
 
 def _cfg(**overrides):
-    values = dict(log_freq=2, enable_tensorboard=True, save_tb_folder="tb", peak_tflops=0.0)
+    values = dict(log_freq=2, enable_tensorboard=True, save_tb_folder="tb", peak_tflops=0.0, log_all_ranks=False)
     values.update(overrides)
     return types.SimpleNamespace(**values)
 
@@ -203,3 +203,15 @@ def test_init_logging_prefixes_rank(capsys):
     finally:
         for h in list(quadra.handlers):
             quadra.removeHandler(h)
+
+
+@pytest.mark.parametrize("log_all_ranks", [False, True])
+def test_other_ranks_print_only_when_asked(tmp_path, caplog, log_all_ranks):
+    caplog.set_level(logging.INFO, logger="quadra")
+    log = _logger(tmp_path, rank=1, is_logging_rank=False, cfg=_cfg(log_all_ranks=log_all_ranks))
+    log.record_step(tokens=100, step_seconds=1.0)
+    log.log(1, {"loss": 5.0})
+    printed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step: 1  loss: 5.0000")]
+    assert len(printed) == int(log_all_ranks)
+    assert not (tmp_path / "metrics.jsonl").exists()  # files stay rank 0's
+    log.close()
