@@ -79,6 +79,45 @@ def _collectives_per_block(sequence_parallel: bool) -> dict:
     return {"forward": counts(fwd), "backward": counts(bwd), "model_forward": counts(whole)}
 
 
+def _clip_over_mixed_meshes() -> dict:
+    """clip_grad_norm_ over gradients as TP + FSDP leave them (4 ranks, 2 × 2 mesh) vs the full tensors."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    from parallelisms.grad_norm import clip_grad_norm_
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    layouts = [
+        (mesh, [Shard(0), Shard(1)]),  # FSDP over a row-parallel weight
+        (mesh, [Shard(0), Shard(0)]),  # FSDP over a column-parallel weight
+        (mesh, [Shard(0), Replicate()]),  # FSDP over a sequence-parallel norm weight
+        (mesh["tp"], [Shard(0)]),  # TP alone
+        (mesh["tp"], [Replicate()]),  # SP norm weight without FSDP
+        None,  # a plain tensor, equal on every rank
+    ]
+    generator = torch.Generator().manual_seed(0)
+    fulls = [torch.randn(8, 6, generator=generator) for _ in range(len(layouts) + 1)]
+    params = []
+    for full, layout in zip(fulls, layouts):
+        param = torch.nn.Parameter(torch.zeros_like(full) if layout is None else distribute_tensor(full * 0, *layout))
+        # clone: a replicated DTensor may share the full tensor's storage, and clipping is in place.
+        param.grad = full.clone() if layout is None else distribute_tensor(full.clone(), *layout)
+        params.append(param)
+    # Sequence parallel's pending gradient: each tp rank holds half of the sum.
+    partial = torch.nn.Parameter(distribute_tensor(fulls[-1] * 0, mesh["tp"], [Replicate()]))
+    partial.grad = DTensor.from_local(fulls[-1] / 2, mesh["tp"], [Partial("sum")])
+    params.append(partial)
+    want = torch.stack([f.double().norm() for f in fulls]).norm()
+    norm = clip_grad_norm_(params, max_norm=1.0)
+    scale = 1.0 / (want + 1e-6)
+    clip_error = max(
+        float(((p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) - f * scale).abs().max())
+        for p, f in zip(params, fulls)
+    )
+    return {"norm": float(norm), "want": float(want), "clip_error": clip_error}
+
+
 def _startup_error(argv: list[str]) -> str:
     """The message of the error a Trainer raises at start-up ("" if none)."""
     from engine.config import load_config
@@ -99,6 +138,8 @@ def _rank_work(folder: str, world_size: int) -> dict:
     for name, (size, overrides) in LAYOUTS.items():
         if size == world_size:
             results["histories"][name] = train_and_record(base_args(f"{folder}/{name}", overrides))
+    if world_size == 4:
+        results["clip"] = _clip_over_mixed_meshes()
     if world_size == 2:
         results["collectives"] = {sp: _collectives_per_block(sp) for sp in (True, False)}
         for name, (overrides, _) in BAD_SETTINGS.items():
@@ -131,6 +172,14 @@ def test_parity_with_one_process(layout, rank_results, reference):
     # Every rank (tp peers included) reports the same reduced loss and grad norm.
     for results in rank_results(world_size):
         assert_parity(results["histories"][layout], reference)
+
+
+def test_grad_norm_and_clipping_over_mixed_meshes(rank_results):
+    """Shards counted once, replicas not twice, pending (Partial) gradients reduced, every rank equal."""
+    for results in rank_results(4):
+        clip = results["clip"]
+        assert clip["norm"] == pytest.approx(clip["want"], rel=1e-6), clip
+        assert clip["norm"] > 1.0 and clip["clip_error"] < 1e-6, clip  # clipping did scale
 
 
 # ---------------------------------------------------------------- collectives
