@@ -240,9 +240,7 @@ class CheckpointManager:
         # position) from the checkpoint: the same values when nothing changed, and a changed
         # optimizer or schedule setting takes effect from the first resumed step.
         settings, base_lrs = optimizer_settings(self.state.optimizers), list(self.lr_scheduler.base_lrs)
-        state = self.state.state_dict()
-        state.update(lr_scheduler=self.lr_scheduler.state_dict(), dataloader=self.dataloader.state_dict(),
-                     trainer=self.trainer.state_dict())
+        state = self._training_state()
         rank_key = f"rank{self.dist.rank}"
         same_world = marker.get("world_size") == self.dist.world_size
         if same_world and f"rng.{rank_key}.cpu" in metadata.state_dict_metadata:
@@ -262,6 +260,13 @@ class CheckpointManager:
         if "rng" in state:
             set_rng_state(state["rng"][rank_key], self.device)
         self._log_changed_settings(marker)
+
+    def _training_state(self) -> dict:
+        """What a full checkpoint holds besides the RNG: the dict given to dcp.save, or filled by dcp.load."""
+        state = self.state.state_dict()
+        state.update(lr_scheduler=self.lr_scheduler.state_dict(), dataloader=self.dataloader.state_dict(),
+                     trainer=self.trainer.state_dict())
+        return state
 
     def _load_data_position(self, saved: dict) -> None:
         mine = self.dataloader.state_dict()
@@ -307,9 +312,8 @@ class CheckpointManager:
             return
         self.wait()
         self._check_data_agreement()
-        state = self.state.state_dict()
-        state.update(lr_scheduler=self.lr_scheduler.state_dict(), dataloader=self.dataloader.state_dict(),
-                     trainer=self.trainer.state_dict(), rng={f"rank{self.dist.rank}": rng_state(self.device)})
+        state = self._training_state()
+        state["rng"] = {f"rank{self.dist.rank}": rng_state(self.device)}
         dims = self.parallel_dims
         marker = {"step": step, "tokens_seen": self.trainer.tokens_seen, "model_only": False,
                   "world_size": self.dist.world_size, "torch": torch.__version__, "config": self.config_toml,
