@@ -311,14 +311,12 @@ class Trainer:
         the pipeline ranks with that operation, so every rank logs the whole model's value.
         """
         merged: dict[str, tuple[torch.Tensor, str]] = {}
+        combine = {"sum": torch.add, "min": torch.minimum, "max": torch.maximum}
         for part in self.model_parts:
-            hook = getattr(part, "post_optimizer_step", None)
-            for name, (value, op) in (hook() if hook is not None else {}).items():
+            metrics = part.post_optimizer_step() if hasattr(part, "post_optimizer_step") else {}
+            for name, (value, op) in metrics.items():
                 value = value.detach().to(self.device, torch.float64)
-                if name in merged:
-                    combine = {"sum": torch.add, "min": torch.minimum, "max": torch.maximum}[op]
-                    value = combine(merged[name][0], value)
-                merged[name] = (value, op)
+                merged[name] = (combine[op](merged[name][0], value) if name in merged else value, op)
         if self.pipeline is not None:  # every stage reports the same names, in the same order
             for value, op in merged.values():
                 dist.all_reduce(value, op=getattr(dist.ReduceOp, op.upper()), group=self.pipeline.group)
@@ -377,8 +375,8 @@ class Trainer:
                 )
                 if self.metrics.should_log(self.step):
                     keys = ("loss", "grad_norm", "lr", "epoch", "pp_bubble_fraction")
-                    self.metrics.log(self.step, {**{key: record[key] for key in keys if key in record},
-                                                 **record["model_metrics"]})
+                    logged = {key: record[key] for key in keys if key in record}
+                    self.metrics.log(self.step, {**logged, **record["model_metrics"]})
                 if gc_freq > 0 and self.step % gc_freq == 0:
                     gc.collect(1)
                 v = self.cfg.validation

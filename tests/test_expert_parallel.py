@@ -27,6 +27,12 @@ LAYOUTS = {
     "mixtral_ep2_aux_loss_accum2": (
         2, {**MIXTRAL, "parallelism.dp_shard": 2, "parallelism.ep": 2, "training.local_batch_size": 2},
     ),
+    # Tensor parallel without sequence parallel: MoE layers replicated on the tp ranks.
+    "tp2_no_sequence_parallel": (
+        2, {**MOE, "parallelism.tp": 2, "parallelism.dp_shard": 1, "parallelism.sequence_parallel": "false"},
+    ),
+    # Expert parallel over the context-parallel ranks (each holds half of every sequence).
+    "ep2_over_cp2": (2, {**MOE, "parallelism.cp": 2, "parallelism.dp_shard": 1, "parallelism.ep": 2}),
     # Each expert group of 2 ranks is FSDP-sharded over the other 2 ranks (dp_shard_mod_ep = 2).
     "ep2_x_fsdp2": (4, {**MOE, "parallelism.dp_shard": 4, "parallelism.ep": 2, "training.local_batch_size": 2}),
     # HSDP: ep inside dp_shard = 2, experts replicated over dp_replicate = 2 (the run_train.sh
@@ -34,6 +40,11 @@ LAYOUTS = {
     "ep2_hsdp2x2": (
         4, {**MOE, "parallelism.dp_replicate": 2, "parallelism.dp_shard": 2, "parallelism.ep": 2,
             "training.local_batch_size": 2},
+    ),
+    # Expert parallel over dp_shard with tensor and sequence parallel inside each ep rank.
+    "ep2_x_tp2": (
+        4, {**MOE, "parallelism.dp_shard": 2, "parallelism.tp": 2, "parallelism.ep": 2,
+            "training.local_batch_size": 4},
     ),
     # Expert parallel inside each pipeline stage, FSDP over the stage's ranks.
     "ep2_x_pp2": (
@@ -45,6 +56,7 @@ LAYOUTS = {
 
 def _train_layouts(folder: str, names: list[str], zero_token_check: bool) -> dict:
     results = {"ep_zero_tokens": _zero_token_check() if zero_token_check else None}
+    results["bad_ep"] = _startup_error(base_args(f"{folder}/bad_ep", {**MOE, "parallelism.ep": 3}))
     results.update({name: train_and_record(base_args(f"{folder}/{name}", LAYOUTS[name][1])) for name in names})
     return results
 
@@ -88,6 +100,24 @@ def test_moe_parity_with_one_process(layout, references, request):
     reference = references[overrides.get("model.flavor", "debugmodel")]
     for rank_results in results:  # every rank reports the same global loss and grad norm
         assert_parity(rank_results[layout], reference)
+
+
+def _startup_error(argv: list[str]) -> str:
+    """The message of the error a Trainer raises at start-up ("" if none)."""
+    from engine.config import load_config
+    from engine.trainer import Trainer
+
+    try:
+        Trainer(load_config(argv)).close()
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_bad_ep_fails_on_every_rank_at_start_up(world_size, request):
+    for rank_results in request.getfixturevalue(f"runs_{world_size}"):
+        assert "parallelism.ep = 3 must divide dp_shard×cp" in rank_results["bad_ep"], rank_results["bad_ep"]
 
 
 def _zero_token_check() -> dict:

@@ -239,14 +239,39 @@ def parallelism(**changes):
     return types.SimpleNamespace(**settings)
 
 
-def test_validation_errors_name_setting_value_and_fix():
-    args = moe_flavors["debugmodel"]
-    with pytest.raises(ExpertParallelError, match=r"parallelism.ep = 3 does not divide the model's num_experts = 8.*\[1, 2, 4, 8\]"):
-        validate_moe_parallelism(args, parallelism(ep=3), seq_len=64, device_type="cpu", compile_enabled=False)
-    with pytest.raises(ValueError, match="top_k=9 exceeds num_experts=8"):
-        dataclasses.replace(args, top_k=9).validate()
-    with pytest.raises(ValueError, match="n_dense_layers=4 leaves no MoE layer"):
-        dataclasses.replace(args, n_dense_layers=4).validate()
-    with pytest.raises(ParallelismError, match=r"parallelism.ep = 4 must divide dp_shard×cp = 2.*one of \[1, 2\]"):
-        ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=1, pp=1, ep=4, world_size=4)
-    validate_moe_parallelism(args, parallelism(ep=4), seq_len=64, device_type="cpu", compile_enabled=False)
+def _validate_moe(args, **changes):
+    validate_moe_parallelism(args, parallelism(**changes), seq_len=64, device_type="cpu", compile_enabled=False)
+
+
+DEBUG = moe_flavors["debugmodel"]
+BAD_SETTINGS = {
+    "num_experts % ep": (
+        lambda: _validate_moe(DEBUG, ep=3),
+        ExpertParallelError, r"parallelism.ep = 3 does not divide the model's num_experts = 8.*\[1, 2, 4, 8\]",
+    ),
+    "top_k > num_experts": (
+        lambda: dataclasses.replace(DEBUG, top_k=9).validate(), ValueError, "top_k=9 exceeds num_experts=8",
+    ),
+    "no MoE layer": (
+        lambda: dataclasses.replace(DEBUG, n_dense_layers=4).validate(), ValueError, "n_dense_layers=4 leaves no MoE",
+    ),
+    "ep does not divide dp_shard x cp": (
+        lambda: ParallelDims(dp_replicate=2, dp_shard=2, cp=1, tp=1, pp=1, ep=4, world_size=4),
+        ParallelismError, r"parallelism.ep = 4 must divide dp_shard×cp = 2.*one of \[1, 2\]",
+    ),
+    "shared experts % tp": (
+        lambda: _validate_moe(dataclasses.replace(DEBUG, moe_inter_dim=6), tp=4),
+        ExpertParallelError, r"parallelism.tp = 4 does not divide the shared experts' width .* = 6",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SETTINGS))
+def test_validation_errors_name_setting_value_and_fix(case):
+    check, error, message = BAD_SETTINGS[case]
+    with pytest.raises(error, match=message):
+        check()
+
+
+def test_valid_expert_and_tensor_parallel_settings_pass():
+    _validate_moe(DEBUG, ep=4, tp=2)

@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from models.llama.model import FeedForward
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import apply_compile
 from parallelisms.context_parallel import apply_cp
@@ -200,7 +201,11 @@ def apply_tp_llama(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: 
         # parallelize_module distributes each module's weight separately; share the one DTensor.
         model.output.weight = model.tok_embeddings.weight
     for block in model.layers.values():
-        apply_tensor_parallel(block, tp_mesh, _block_plan(sequence_parallel))
+        plan = _block_plan(sequence_parallel)
+        if not isinstance(block.feed_forward, FeedForward):
+            # Another feed-forward (e.g. an MoE layer): its model family's plan shards it.
+            plan = {name: style for name, style in plan.items() if not name.startswith("feed_forward")}
+        apply_tensor_parallel(block, tp_mesh, plan)
 
 
 def _block_plan(sequence_parallel: bool) -> dict:

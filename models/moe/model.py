@@ -65,7 +65,8 @@ class MoETransformer(Transformer):
 
     def set_aux_loss_scale(self, sequences_per_step: int) -> None:
         """Make the balance loss a mean over the ``sequences_per_step`` sequences of an optimizer
-        step (all ranks, all microbatches), so its gradient does not depend on the layout."""
+        step (all ranks, all microbatches), so its gradient does not depend on the layout (under
+        context parallel: over the sequences' cp pieces, each a "sequence" of the loss)."""
         for layer in self.moe_layers():
             layer.aux_loss_scale = 1.0 / sequences_per_step
 

@@ -5,6 +5,14 @@ model is a LLaMA model whose MoE blocks differ only in the feed-forward, so afte
 steps below this calls :func:`models.llama.parallelize.parallelize_llama`, which applies TP, CP,
 activation checkpointing, compile and FSDP to everything else:
 
+0. tensor parallel (``tp > 1``): LLaMA's plan shards attention, embeddings, output and the dense
+   layers and leaves MoE feed-forwards alone; each MoE layer then runs on the whole (all-gathered)
+   sequence, and hands back the residual stream's layout (its sequence shard under sequence
+   parallel). Shared experts are Megatron column/row parallel like a dense feed-forward; the router
+   and the routed experts are replicated on the tp ranks (Replicate DTensors, computing on local
+   tensors): the tp ranks see the same tokens, so they compute the same routing, outputs and
+   gradients, and no reduction over tp is needed. This repeats the routed-expert compute on every
+   tp rank; splitting the tokens over tp (ep reaching into tp) would not, and is the next step;
 1. expert parallel (``ep > 1``): each MoE layer's ``experts`` get the ``ExpertParallel`` style on the
    ``ep`` mesh (weights sharded by expert, tokens moved by all-to-all);
 2. FSDP of the experts over the ranks left after ep (``dp_shard_mod_ep``, with ``dp_replicate`` as
@@ -23,8 +31,16 @@ from __future__ import annotations
 
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Shard
-from torch.distributed.tensor.parallel import parallelize_module
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 from models.llama.parallelize import DTYPES, parallelize_llama, validate_llama_parallelism
 from parallelisms.expert_parallel import ExpertParallel, ExpertParallelError, validate_expert_parallel
@@ -54,9 +70,14 @@ def parallelize_moe(
     sequences = training_cfg.global_batch_size
     if sequences <= 0:
         sequences = training_cfg.local_batch_size * parallel_dims.dp
-    model.set_aux_loss_scale(sequences)
+    # Context parallel splits each sequence into cp pieces, and the balance loss (like a capacity)
+    # is then taken per piece: a mean over pieces keeps it near 1 when routing is balanced.
+    model.set_aux_loss_scale(sequences * parallel_dims.cp)
     if parallel_dims.mesh_built:
         model.token_group = parallel_dims.mesh("dp_cp").get_group()
+    if parallel_dims.tp_enabled:
+        for moe in model.moe_layers():
+            _apply_tp_moe(moe, parallel_dims.mesh("tp"), parallelism_cfg.sequence_parallel, parallel_dims.ep_enabled)
     if parallel_dims.ep_enabled:
         ep_mesh = parallel_dims.mesh("ep")
         for moe in model.moe_layers():
@@ -67,6 +88,41 @@ def parallelize_moe(
         model, parallel_dims, parallelism_cfg=parallelism_cfg, training_cfg=training_cfg,
         ac_cfg=ac_cfg, compile_cfg=compile_cfg, backend=backend,
     )
+
+
+class _ReplicateOnTP(ParallelStyle):
+    """Parameters become Replicate DTensors on the tp mesh; the module computes on local tensors.
+
+    Used where every tp rank runs the same computation on the same tokens: the gradients are then
+    equal on every tp rank (Replicate is their true placement) and nothing is communicated.
+    DTensors rather than plain tensors so that the optimizer's foreach kernels see one kind of
+    tensor next to tensor parallel's.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def to_dtensor(_, inputs, mesh):
+            return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False) for t in inputs)
+
+        def to_local(_, output, mesh):
+            return output.to_local()
+
+        return distribute_module(module, device_mesh, input_fn=to_dtensor, output_fn=to_local)
+
+
+def _apply_tp_moe(moe: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, ep_enabled: bool) -> None:
+    """The MoE layer under tensor parallel (see the module docstring, step 0)."""
+    stream = Shard(1) if sequence_parallel else Replicate()
+    parallelize_module(moe, tp_mesh, PrepareModuleInputOutput(
+        input_layouts=(stream,), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=(Replicate(),), desired_output_layouts=(stream,), use_local_output=True,
+    ))
+    parallelize_module(moe.router.gate, tp_mesh, _ReplicateOnTP())
+    if moe.shared_experts is not None:
+        parallelize_module(moe.shared_experts, tp_mesh, {
+            "w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel(output_layouts=Replicate()),
+        })
+    if not ep_enabled:  # else they are sharded on the ep mesh; GroupedExperts uses local weights
+        distribute_module(moe.experts, tp_mesh)
 
 
 def _shard_experts(model: nn.Module, parallel_dims: ParallelDims, parallelism_cfg, training_cfg) -> None:
@@ -101,16 +157,17 @@ def validate_moe_parallelism(
     """Start-up checks of ``[parallelism]`` against an MoE model, the same on every rank.
 
     Raises:
-        ExpertParallelError (a ValueError): ``num_experts`` not divisible by ``ep``; ``tp > 1``
-            (the MoE tensor-parallel plan is not built yet).
-        TensorParallelError: from the LLaMA checks.
+        ExpertParallelError (a ValueError): ``num_experts`` not divisible by ``ep``.
+        TensorParallelError: from the LLaMA checks (heads, dims, vocab and seq_len against tp).
     """
     validate_expert_parallel(parallelism_cfg.ep, model_args.num_experts)
-    if parallelism_cfg.tp > 1:
-        raise ExpertParallelError(
-            f"parallelism.tp = {parallelism_cfg.tp}: tensor parallel is not supported for MoE models yet; "
-            "set parallelism.tp = 1 and use parallelism.ep / dp_shard instead."
-        )
     validate_llama_parallelism(
         model_args, parallelism_cfg, seq_len=seq_len, device_type=device_type, compile_enabled=compile_enabled
     )
+    shared = model_args.n_shared_experts * model_args.moe_inter_dim
+    if parallelism_cfg.tp > 1 and shared % parallelism_cfg.tp != 0:
+        raise ExpertParallelError(
+            f"parallelism.tp = {parallelism_cfg.tp} does not divide the shared experts' width "
+            f"n_shared_experts × moe_inter_dim = {shared}: tensor parallel gives every rank 1/tp of "
+            "it. Choose a tp that divides it, or another flavor."
+        )
