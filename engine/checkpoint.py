@@ -19,10 +19,10 @@ continues under another without repeating or skipping a sample.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -32,8 +32,8 @@ import torch.distributed.checkpoint as dcp
 from engine import checkpoint_files as files
 from engine.checkpoint_files import CheckpointError
 from engine.checkpoint_state import (
-    ModelAndOptimizer, changed_settings, first_model_mismatch, optimizer_settings, quiet_single_process,
-    reapply_lr, restore_optimizer_settings, rng_state, saved_model_keys, set_rng_state,
+    ModelAndOptimizer, changed_settings, first_model_mismatch, optimizer_settings, reapply_lr,
+    restore_optimizer_settings, rng_state, saved_model_keys, set_rng_state,
 )
 
 logger = logging.getLogger("quadra")
@@ -83,6 +83,10 @@ class CheckpointManager:
         self._async_group = None
         if not self.enabled:
             return
+        if not self.dist.is_distributed:
+            # DCP warns at every single-process save/load (also from the async writer thread) that it
+            # assumes one process: that is the intent here.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         problem = files.check_writable(self.folder) if self.dist.rank == 0 else None
         if problem:
             problem = (f"checkpoint.folder = {cfg.folder!r} resolves to {os.path.abspath(self.folder)!r}, "
@@ -198,13 +202,8 @@ class CheckpointManager:
         if self.dist.rank == 0:
             logger.info(message, *args)
 
-    def _quiet(self):
-        """DCP warns on every single-process call that it assumes one process: that is the intent."""
-        return contextlib.nullcontext() if self.dist.is_distributed else quiet_single_process()
-
     def _dcp_load(self, state: dict, path: str) -> None:
-        with self._quiet():
-            dcp.load(state, checkpoint_id=path, no_dist=not self.dist.is_distributed)
+        dcp.load(state, checkpoint_id=path, no_dist=not self.dist.is_distributed)
 
     def _check_model(self, path: str, metadata) -> None:
         """Every rank: this model's keys and shapes against the checkpoint's; error on every rank."""
@@ -321,13 +320,10 @@ class CheckpointManager:
         tmp, started = files.tmp_dir(self.folder, step), time.perf_counter()
         no_dist = not self.dist.is_distributed
         if self.cfg.async_mode == "async":
-            with self._quiet():
-                future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._async_group,
-                                        no_dist=no_dist)
+            future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._async_group, no_dist=no_dist)
             self._pending = _PendingSave(future, step, marker, started)
         else:
-            with self._quiet():
-                dcp.save(state, checkpoint_id=tmp, no_dist=no_dist)
+            dcp.save(state, checkpoint_id=tmp, no_dist=no_dist)
             self._finish(step, marker, started)
             self._barrier()
         self.last_saved_step = step
