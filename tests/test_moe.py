@@ -9,6 +9,8 @@ import types
 import pytest
 import torch
 
+from models import get_model_args
+from models.llama.parallelize import validate_llama_parallelism
 from models.moe.args import MoEModelArgs
 from models.moe.flavors import moe_flavors
 from models.moe.layers import MoE, capacity_keep_mask, combine_expert_outputs, sort_tokens_by_expert
@@ -16,6 +18,7 @@ from models.moe.model import MoETransformer
 from models.moe.parallelize import validate_moe_parallelism
 from parallelisms.expert_parallel import ExpertParallelError, regroup_by_local_expert
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
+from parallelisms.tensor_parallel import TensorParallelError
 
 TINY = MoEModelArgs(
     dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=16,
@@ -261,7 +264,12 @@ BAD_SETTINGS = {
     ),
     "shared experts % tp": (
         lambda: _validate_moe(dataclasses.replace(DEBUG, moe_inter_dim=6), tp=4),
-        ExpertParallelError, r"parallelism.tp = 4 does not divide the shared experts' width .* = 6",
+        TensorParallelError, r"parallelism.tp = 4 does not divide the model's shared experts' width .* = 6",
+    ),
+    "ep with a dense model": (
+        lambda: validate_llama_parallelism(get_model_args("llama", "debugmodel"), parallelism(ep=2), seq_len=64,
+                                           device_type="cpu", compile_enabled=False),
+        ExpertParallelError, r'parallelism.ep = 2: model.name = "llama" is dense.*model.name = "moe"',
     ),
 }
 

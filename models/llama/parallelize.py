@@ -29,6 +29,7 @@ from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import apply_compile
 from parallelisms.context_parallel import apply_cp
 from parallelisms.data_parallel import apply_ddp, apply_fsdp
+from parallelisms.expert_parallel import ExpertParallelError
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import (
     apply_tensor_parallel,
@@ -135,7 +136,13 @@ def validate_llama_parallelism(
 
     Raises:
         TensorParallelError (a ValueError): naming the setting, the value and the fix.
+        ExpertParallelError (a ValueError): ``ep > 1`` (a dense model has no experts to spread).
     """
+    if parallelism_cfg.ep > 1:
+        raise ExpertParallelError(
+            f"parallelism.ep = {parallelism_cfg.ep}: model.name = \"llama\" is dense and has no experts to "
+            "spread over ranks. Set parallelism.ep = 1, or train a mixture-of-experts model (model.name = \"moe\")."
+        )
     validate_tensor_parallel(
         parallelism_cfg,
         divisible={

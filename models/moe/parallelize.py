@@ -42,9 +42,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from models.llama.parallelize import DTYPES, parallelize_llama, validate_llama_parallelism
-from parallelisms.expert_parallel import ExpertParallel, ExpertParallelError, validate_expert_parallel
+from models.llama.parallelize import DTYPES, parallelize_llama
+from parallelisms.expert_parallel import ExpertParallel, validate_expert_parallel
 from parallelisms.parallel_dims import ParallelDims
+from parallelisms.tensor_parallel import validate_tensor_parallel
 
 __all__ = ["parallelize_moe", "validate_moe_parallelism"]
 
@@ -156,18 +157,26 @@ def validate_moe_parallelism(
 ) -> None:
     """Start-up checks of ``[parallelism]`` against an MoE model, the same on every rank.
 
+    Tensor parallel shards what it shards in a LLaMA model (heads, dims, dense feed-forward width,
+    vocabulary, sequence) and the shared experts' width; expert parallel splits the routed experts.
+
     Raises:
         ExpertParallelError (a ValueError): ``num_experts`` not divisible by ``ep``.
-        TensorParallelError: from the LLaMA checks (heads, dims, vocab and seq_len against tp).
+        TensorParallelError (a ValueError): a size above not divisible by ``tp``, and the other
+            tensor-parallel checks.
     """
     validate_expert_parallel(parallelism_cfg.ep, model_args.num_experts)
-    validate_llama_parallelism(
-        model_args, parallelism_cfg, seq_len=seq_len, device_type=device_type, compile_enabled=compile_enabled
-    )
-    shared = model_args.n_shared_experts * model_args.moe_inter_dim
-    if parallelism_cfg.tp > 1 and shared % parallelism_cfg.tp != 0:
-        raise ExpertParallelError(
-            f"parallelism.tp = {parallelism_cfg.tp} does not divide the shared experts' width "
-            f"n_shared_experts × moe_inter_dim = {shared}: tensor parallel gives every rank 1/tp of "
-            "it. Choose a tp that divides it, or another flavor."
+    divisible = {
+        "dim": model_args.dim,
+        "n_heads": model_args.n_heads,
+        "n_kv_heads": model_args.kv_heads,
+        "feed-forward width (ffn_hidden_dim)": model_args.ffn_hidden_dim,
+    }
+    if model_args.n_shared_experts > 0:
+        divisible["shared experts' width (n_shared_experts × moe_inter_dim)"] = (
+            model_args.n_shared_experts * model_args.moe_inter_dim
         )
+    validate_tensor_parallel(
+        parallelism_cfg, divisible=divisible, vocab_size=model_args.vocab_size, seq_len=seq_len,
+        device_type=device_type, compile_enabled=compile_enabled,
+    )
