@@ -143,12 +143,15 @@ _GROUPED_MM_ALIGN = {"cpu": 1, "cuda": 16}  # rows per group that the kernel wan
 def _grouped_mm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` runs for x [N, a] @ w [G, a, b] on this device and dtype.
 
-    CPU kernels (torch >= 2.9) need rows of 16 bytes; CUDA kernels need bfloat16 on SM >= 8.0.
-    Anything else uses the per-expert loop, which gives the same result.
+    CPU kernels (torch >= 2.9) need rows of 16 bytes; CUDA kernels need bfloat16 on SM >= 8.0, and
+    so does the op's meta function that torch.compile traces with, whatever the device. Anything
+    else uses the per-expert loop, which gives the same result.
     """
     if not hasattr(torch, "_grouped_mm") or x.device.type not in _GROUPED_MM_ALIGN:
         return False
-    if x.device.type == "cuda" and (x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] < 8):
+    if x.dtype != torch.bfloat16 and (x.device.type == "cuda" or torch.compiler.is_compiling()):
+        return False
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 8:
         return False
     row_bytes = x.element_size()
     return all(size * row_bytes % 16 == 0 for size in (w.shape[1], w.shape[2]))

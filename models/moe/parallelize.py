@@ -43,7 +43,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from models.llama.parallelize import DTYPES, parallelize_llama
-from parallelisms.expert_parallel import ExpertParallel, validate_expert_parallel
+from parallelisms.expert_parallel import ExpertParallel, ExpertParallelError, validate_expert_parallel
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import validate_tensor_parallel
 
@@ -161,11 +161,18 @@ def validate_moe_parallelism(
     vocabulary, sequence) and the shared experts' width; expert parallel splits the routed experts.
 
     Raises:
-        ExpertParallelError (a ValueError): ``num_experts`` not divisible by ``ep``.
+        ExpertParallelError (a ValueError): ``num_experts`` not divisible by ``ep``; ``compile.enable``
+            (blocks are compiled with fullgraph=True, and routing has data-dependent shapes).
         TensorParallelError (a ValueError): a size above not divisible by ``tp``, and the other
             tensor-parallel checks.
     """
     validate_expert_parallel(parallelism_cfg.ep, model_args.num_experts)
+    if compile_enabled:
+        raise ExpertParallelError(
+            "compile.enable = true is not supported for model.name = \"moe\" yet: blocks are compiled "
+            "whole (fullgraph), and token routing has data-dependent sizes (tokens per expert, "
+            "all-to-all splits) that break the graph. Set compile.enable = false."
+        )
     divisible = {
         "dim": model_args.dim,
         "n_heads": model_args.n_heads,
