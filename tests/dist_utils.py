@@ -43,6 +43,9 @@ def _worker(fn, rank, world_size, port, args, queue, torchrun_env) -> None:
     torch.set_num_threads(1)
     try:
         result = fn(*args)
+        if dist.is_initialized():
+            # Rank 0 hosts the TCP store: it must not tear it down while others still create groups.
+            dist.barrier()
         queue.put((rank, True, result))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         queue.put((rank, False, traceback.format_exc()))
