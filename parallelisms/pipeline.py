@@ -16,6 +16,7 @@ keys stay global ("layers.7"), so weights initialize and checkpoint the same as 
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -29,6 +30,8 @@ from torch.distributed.pipelining.schedules import (
     _PipelineSchedule,
     get_schedule_class,
 )
+
+logger = logging.getLogger("quadra")
 
 KNOWN_SCHEDULES = (
     "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV",
@@ -194,6 +197,13 @@ def plan_pipeline(parallelism_cfg, *, n_layers: int, local_batch_size: int, pp_r
             f"{n_microbatches} microbatches (training.local_batch_size {local_batch_size} / "
             f"parallelism.pp_microbatch_size {p.pp_microbatch_size}) are fewer than parallelism.pp = {p.pp} "
             f"for schedule {name}; raise local_batch_size or lower pp_microbatch_size."
+        )
+    if name == "GPipe" and n_microbatches < p.pp:
+        # GPipe runs, but most of each step is bubble: (K-1)/(M+K-1) of the time idles.
+        logger.warning(
+            "%d microbatches for %d pipeline ranks: GPipe idles %.0f%% of each step; raise "
+            "training.local_batch_size or lower parallelism.pp_microbatch_size",
+            n_microbatches, p.pp, 100 * (num_stages - 1) / (n_microbatches + num_stages - 1),
         )
     if stage_layers is None:
         stage_layers = split_layers_evenly(n_layers, num_stages, p.pp_input_weight, p.pp_output_weight)

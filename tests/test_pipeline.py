@@ -78,9 +78,10 @@ def test_plan_errors(changes, local_batch_size, message):
         plan_pipeline(pp_cfg(**changes), n_layers=6, local_batch_size=local_batch_size, pp_rank=0)
 
 
-def test_gpipe_allows_fewer_microbatches_than_stages():
+def test_gpipe_allows_fewer_microbatches_than_stages_with_a_warning(caplog):
     plan = plan_pipeline(pp_cfg(pp_schedule="GPipe", pp_microbatch_size=8), n_layers=6, local_batch_size=8, pp_rank=0)
     assert plan.n_microbatches == 1
+    assert "GPipe idles 50% of each step" in caplog.text
 
 
 # ---------------------------------------------------------------------------- parity (gloo)
