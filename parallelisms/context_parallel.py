@@ -16,7 +16,6 @@ last rank does cp times the attention work of the first.
 from __future__ import annotations
 
 import contextlib
-from functools import partial
 
 import torch
 import torch.nn as nn

@@ -28,7 +28,6 @@ def test_activation_checkpointing_with_fsdp(reference, tmp_path):
 
 
 def _recomputed_blocks(mode: str, option: str) -> int:
-    import torch
 
     from models import get_model_args, get_model_spec
     from parallelisms.activation_checkpoint import apply_activation_checkpointing
