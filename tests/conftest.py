@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+import datasets
 import pytest
 
 from tests.dist_utils import run_distributed
@@ -16,3 +19,21 @@ def reference(tmp_path_factory):
     losses = [loss for loss, _ in history]
     assert losses[-1] < losses[0], f"the reference run did not learn: {losses}"
     return history
+
+
+@pytest.fixture(scope="module")
+def private_datasets_cache(tmp_path_factory):
+    """Keep the corpora a test module writes out of the user's ~/.cache (datasets caches them)."""
+    old = datasets.config.HF_DATASETS_CACHE
+    datasets.config.HF_DATASETS_CACHE = str(tmp_path_factory.mktemp("hf_cache"))
+    yield
+    datasets.config.HF_DATASETS_CACHE = old
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The bundled Shakespeare tokenizer (vocab 4096)."""
+    from engine.tokenizer import Tokenizer
+
+    return Tokenizer(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets",
+                                  "tokenizer", "shakespeare.model"))

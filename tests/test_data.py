@@ -16,24 +16,13 @@ import torch
 from engine.data import build_dataloader, build_validation_dataloader, resolve_batch_sizes
 from engine.data_packing import pack_documents
 from engine.data_source import load_documents, looks_like_local_path
-from engine.tokenizer import Tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 S = 8  # seq_len of most tests: small, so a few documents give dozens of windows
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _private_datasets_cache(tmp_path_factory):
-    # Keep the corpora these tests write out of the user's ~/.cache.
-    old = datasets.config.HF_DATASETS_CACHE
-    datasets.config.HF_DATASETS_CACHE = str(tmp_path_factory.mktemp("hf_cache"))
-    yield
-    datasets.config.HF_DATASETS_CACHE = old
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return Tokenizer(os.path.join(REPO, "assets/tokenizer/shakespeare.model"))
+# Corpora written by these tests go to a private datasets cache (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("private_datasets_cache")
 
 
 def make_docs(n: int) -> list[str]:

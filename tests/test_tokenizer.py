@@ -4,7 +4,6 @@ import io
 import json
 import random
 
-import datasets
 import pytest
 import sentencepiece as spm
 
@@ -30,18 +29,8 @@ TRICKY = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _private_datasets_cache(tmp_path_factory):
-    # Keep the corpora these tests write out of the user's ~/.cache.
-    old = datasets.config.HF_DATASETS_CACHE
-    datasets.config.HF_DATASETS_CACHE = str(tmp_path_factory.mktemp("hf_cache"))
-    yield
-    datasets.config.HF_DATASETS_CACHE = old
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return Tokenizer(BUNDLED)
+# Corpora written by these tests go to a private datasets cache (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("private_datasets_cache")
 
 
 def test_bundled_special_ids_and_vocab(tok):
