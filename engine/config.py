@@ -29,7 +29,7 @@ else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
 from engine.config_format import cli_value, toml_value
-from engine.config_validation import range_problems
+from engine.config_validation import config_warnings, range_problems
 from engine.config_sections import (  # the section dataclasses, re-exported for type hints
     ActivationCheckpointSection, CheckpointSection, CommSection, CompileSection, DataSection,
     JobSection, LRSchedulerSection, MetricsSection, ModelSection, OptimizerSection,
@@ -85,6 +85,11 @@ class JobConfig:
         problems = _type_problems(self) or range_problems(self)
         if problems:
             raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+    def warnings(self) -> list[str]:
+        """What is merely unusual (e.g. a warmup longer than the run, which is clamped), one line
+        each; call after :meth:`validate`."""
+        return config_warnings(self)
 
 
 # Section name -> dataclass, in TOML/help order; derived from JobConfig so they cannot drift.

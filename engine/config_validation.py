@@ -39,8 +39,6 @@ def range_problems(cfg) -> list[str]:
         (o.eps <= 0, "optimizer.eps", o.eps, "must be > 0"),
         (o.weight_decay < 0, "optimizer.weight_decay", o.weight_decay, "must be >= 0"),
         (s.warmup_steps < 0, "lr_scheduler.warmup_steps", s.warmup_steps, "must be >= 0"),
-        (t.steps > 0 and s.warmup_steps >= t.steps, "lr_scheduler.warmup_steps", s.warmup_steps,
-         f"must be < training.steps = {t.steps}; lower the warmup or train longer"),
         (not 0 <= s.decay_ratio <= 1, "lr_scheduler.decay_ratio", s.decay_ratio, "must be in [0, 1]"),
         (s.min_lr < 0, "lr_scheduler.min_lr", s.min_lr, "must be >= 0"),
         (o.lr > 0 and s.min_lr > o.lr, "lr_scheduler.min_lr", s.min_lr,
@@ -64,6 +62,22 @@ def range_problems(cfg) -> list[str]:
         degree = getattr(p, name)
         checks.append((degree < 1, f"parallelism.{name}", degree, "must be >= 1 (1 disables it)"))
     return [f"{key} = {toml_value(value)}: {fix}" for bad, key, value, fix in checks if bad]
+
+
+def config_warnings(cfg) -> list[str]:
+    """Settings that work but are unusual: warned about once at launch, never refused."""
+    from engine.lr_scheduler import effective_warmup_steps
+
+    t, s = cfg.training, cfg.lr_scheduler
+    warnings = []
+    warmup = effective_warmup_steps(s.warmup_steps, s.decay_type, s.decay_ratio, t.steps)
+    if t.steps > 0 and warmup != s.warmup_steps:
+        leaves = f", leaving the last {t.steps - warmup} for the wsd decay" if s.decay_type == "wsd" else ""
+        warnings.append(
+            f"lr_scheduler.warmup_steps = {s.warmup_steps} does not fit in training.steps = {t.steps}: "
+            f"warming up over {warmup} steps instead{leaves}"
+        )
+    return warnings
 
 
 def checkpoint_problems(c: CheckpointSection) -> list[tuple[bool, str, Any, str]]:

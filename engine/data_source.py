@@ -15,7 +15,6 @@ import logging
 import os
 from collections.abc import Iterator
 
-import datasets
 
 logger = logging.getLogger("quadra.data")
 
@@ -87,6 +86,8 @@ def _no_download_counting():
     That HTTP HEAD (3 s timeout) runs on every load_dataset("json", ...), even of a local file;
     without network it costs seconds per load, and local data must not touch the network at all.
     """
+    import datasets
+
     old = datasets.config.HF_UPDATE_DOWNLOAD_COUNTS
     datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
     # One progress bar per rank per load only clutters the training log.
@@ -133,6 +134,8 @@ def load_documents(
         FileNotFoundError: a local-looking path that does not exist.
         ValueError: empty dataset, missing text column, unreadable files, hub load failure.
     """
+    import datasets  # here, not at the top: the pre-flight uses this module's path checks only
+
     if looks_like_local_path(path):
         builder, files = resolve_local_files(path, setting)
         kwargs = {"sample_by": "document"} if builder == "text" else {}

@@ -25,8 +25,6 @@ from __future__ import annotations
 import functools
 import math
 
-import torch
-
 SUPPORTED_DECAY_TYPES = ("constant", "linear", "cosine", "wsd")
 
 
@@ -37,6 +35,22 @@ def _wsd_decay_steps(decay_ratio: float, training_steps: int) -> int:
     # round, not ceil: 0.1 * 30 is 3.0000000000000004 in floating point. A positive ratio
     # always gets at least one decay step so that the last step reaches min_lr.
     return max(1, round(decay_ratio * training_steps))
+
+
+def effective_warmup_steps(warmup_steps: int, decay_type: str, decay_ratio: float, training_steps: int) -> int:
+    """The warmup W the schedule uses: ``lr_scheduler.warmup_steps`` clamped to the run.
+
+    A warmup as long as the run or longer (a smoke run of a few steps with a production config) is
+    shortened to ``training_steps`` (as TorchTitan does): the lr rises until the last step. For wsd,
+    whose point is the final decay, it is shortened to leave the D decay steps. Torch-free, so the
+    config check can warn about it before launch (``JobConfig.warnings``).
+    """
+    if warmup_steps < 0 or training_steps < 1:
+        return warmup_steps  # refused by _check_schedule / the config check
+    limit = training_steps
+    if decay_type == "wsd":
+        limit = training_steps - _wsd_decay_steps(decay_ratio, training_steps)
+    return min(warmup_steps, max(limit, 0))
 
 
 def _check_schedule(
@@ -53,10 +67,10 @@ def _check_schedule(
         raise ValueError(f"training.steps={training_steps} must be >= 1")
     if warmup_steps < 0:
         raise ValueError(f"lr_scheduler.warmup_steps={warmup_steps} must be >= 0")
-    if warmup_steps >= training_steps:
+    if warmup_steps > training_steps:
         raise ValueError(
-            f"lr_scheduler.warmup_steps={warmup_steps} must be < training.steps={training_steps}; "
-            "lower lr_scheduler.warmup_steps or raise training.steps"
+            f"lr_scheduler.warmup_steps={warmup_steps} must be <= training.steps={training_steps}; "
+            "lower lr_scheduler.warmup_steps or raise training.steps (build_lr_scheduler clamps it)"
         )
     if not lr > 0:
         raise ValueError(f"optimizer.lr={lr} must be > 0")
@@ -85,7 +99,8 @@ def lr_factor(
     Args:
         step: 1-based index of the optimizer step being taken (>= 1; steps past
             ``training_steps`` get the final value).
-        warmup_steps: W, linear warmup length in optimizer steps (0 <= W < training_steps).
+        warmup_steps: W, linear warmup length in optimizer steps (0 <= W <= training_steps; with
+            W = T the whole run is warmup and the last step uses exactly lr).
         decay_type: constant | linear | cosine | wsd.
         decay_ratio: wsd only, fraction of ``training_steps`` spent in the final decay, in [0, 1].
         training_steps: T, total optimizer steps of the run.
@@ -133,8 +148,8 @@ def _lambda_for_epoch(epoch: int, **schedule) -> float:
 
 
 def build_lr_scheduler(
-    optimizer: torch.optim.Optimizer, cfg, training_steps: int
-) -> torch.optim.lr_scheduler.LambdaLR:
+    optimizer: "torch.optim.Optimizer", cfg, training_steps: int
+) -> "torch.optim.lr_scheduler.LambdaLR":
     """Wrap ``optimizer`` in a LambdaLR following ``lr_factor``.
 
     Usage (one scheduler step per optimizer step, as in any training loop)::
@@ -152,13 +167,15 @@ def build_lr_scheduler(
 
     Args:
         optimizer: built optimizer; each group's ``lr`` (or ``initial_lr`` if present) is the peak.
-        cfg: the ``[lr_scheduler]`` section; reads ``warmup_steps``, ``decay_type``,
-            ``decay_ratio`` and ``min_lr``.
+        cfg: the ``[lr_scheduler]`` section; reads ``warmup_steps`` (clamped to the run by
+            :func:`effective_warmup_steps`), ``decay_type``, ``decay_ratio`` and ``min_lr``.
         training_steps: ``training.steps``, total optimizer steps.
 
     Raises:
         ValueError: settings out of range (see ``lr_factor``), or param groups with different lrs.
     """
+    import torch
+
     # A scheduler built before (or a loaded optimizer state) leaves the peak in "initial_lr";
     # "lr" may already be scaled by the schedule then.
     base_lrs = {group.get("initial_lr", group["lr"]) for group in optimizer.param_groups}
@@ -166,8 +183,9 @@ def build_lr_scheduler(
         raise ValueError(
             f"build_lr_scheduler needs one peak lr shared by all param groups, got {sorted(base_lrs)}"
         )
+    warmup = effective_warmup_steps(cfg.warmup_steps, cfg.decay_type, cfg.decay_ratio, training_steps)
     schedule = dict(
-        warmup_steps=cfg.warmup_steps, decay_type=cfg.decay_type, decay_ratio=cfg.decay_ratio,
+        warmup_steps=warmup, decay_type=cfg.decay_type, decay_ratio=cfg.decay_ratio,
         training_steps=training_steps, lr=base_lrs.pop(), min_lr=cfg.min_lr,
     )
     _check_schedule(**schedule)  # fail here with a config error rather than inside LambdaLR

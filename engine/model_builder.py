@@ -1,6 +1,6 @@
 """From ``[model]`` settings to parallelized, initialized model parts.
 
-Steps (DESIGN.md "shape of the house"): resolve the flavor's arguments and check them against the
+Steps: resolve the flavor's arguments and check them against the
 tokenizer and ``seq_len`` (cheap, so every rank fails fast on bad input) → build on the meta device
 (no memory) → parallelize (the model's own plan) → ``to_empty`` on the real device → ``init_weights``
 with a layout-independent seed, so every layout starts from the same weights.
@@ -8,56 +8,16 @@ with a layout-independent seed, so every layout starts from the same weights.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn as nn
 
-from models import get_model_args, get_model_spec
-from models.registry import ModelSpec
-
-
-def resolve_model_args(model_cfg, *, seq_len: int, tokenizer_vocab_size: int):
-    """The model spec and its arguments for ``[model]``, checked against the tokenizer and seq_len.
-
-    ``model.vocab_size = -1`` keeps the flavor's vocabulary; a positive value replaces it (to train
-    a flavor with another tokenizer). The model's RoPE table is sized to ``seq_len``.
-
-    Returns:
-        (ModelSpec, model args dataclass).
-
-    Raises:
-        ValueError: unknown name/flavor, a tokenizer vocabulary larger than the model's embedding
-            table, or ``seq_len`` above the flavor's ``max_seq_len``.
-    """
-    spec: ModelSpec = get_model_spec(model_cfg.name)
-    args = get_model_args(model_cfg.name, model_cfg.flavor)
-    changes = {"tie_embeddings": model_cfg.tie_embeddings}
-    if model_cfg.vocab_size != -1:
-        if model_cfg.vocab_size < 1:
-            raise ValueError(f"model.vocab_size = {model_cfg.vocab_size}: use -1 (the flavor's) or a positive size.")
-        changes["vocab_size"] = model_cfg.vocab_size
-    args = dataclasses.replace(args, **changes)
-    if tokenizer_vocab_size > args.vocab_size:
-        raise ValueError(
-            f"the tokenizer at model.tokenizer_path = {model_cfg.tokenizer_path!r} has "
-            f"{tokenizer_vocab_size} tokens but model {model_cfg.name}/{model_cfg.flavor} has vocab_size "
-            f"{args.vocab_size}. Set model.vocab_size >= {tokenizer_vocab_size} or use a smaller tokenizer."
-        )
-    if seq_len > args.max_seq_len:
-        raise ValueError(
-            f"training.seq_len = {seq_len} exceeds the maximum sequence length {args.max_seq_len} of "
-            f"model {model_cfg.name}/{model_cfg.flavor}. Lower training.seq_len."
-        )
-    args = dataclasses.replace(args, max_seq_len=seq_len)
-    args.validate()
-    return spec, args
+from models.registry import ModelSpec, load_ref, resolve_model_args  # noqa: F401  (re-exported)
 
 
 def build_meta_model(spec: ModelSpec, args) -> nn.Module:
     """The whole model on the meta device: shapes only, no memory, no initialization."""
     with torch.device("meta"):
-        return spec.model_cls(args)
+        return load_ref(spec.model_cls)(args)
 
 
 @torch.no_grad()

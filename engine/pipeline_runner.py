@@ -13,25 +13,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from engine.loss import token_sum_loss
-from parallelisms.pipeline import PipelineConfigError, PipelinePlan, build_pipeline_schedule, plan_pipeline
+from parallelisms.pipeline import PipelinePlan, build_pipeline_schedule
+from parallelisms.pipeline_plan import plan_model_pipeline  # noqa: F401  (re-exported)
 from parallelisms.pipeline_timing import StageBusyTimer
-
-
-def plan_model_pipeline(parallelism_cfg, model_args, *, local_batch_size: int, pp_rank: int) -> PipelinePlan:
-    """Validate the pipeline settings for this model (before any heavy work) and plan the split.
-
-    Raises:
-        PipelineConfigError: tied embeddings (the embedding and the output head would live on
-            different stages), or any error of :func:`parallelisms.pipeline.plan_pipeline`.
-    """
-    if model_args.tie_embeddings:
-        raise PipelineConfigError(
-            "model.tie_embeddings = true cannot be split across pipeline stages (the embedding and the "
-            "output head live on different stages); set model.tie_embeddings = false or parallelism.pp = 1."
-        )
-    return plan_pipeline(
-        parallelism_cfg, n_layers=model_args.n_layers, local_batch_size=local_batch_size, pp_rank=pp_rank
-    )
 
 
 class PipelineRunner:

@@ -1,10 +1,12 @@
 """Entry point: ``python -m engine.train --job.config_file X.toml [--section.key value ...]``.
 
-``run_train.sh`` launches this under torchrun. Configuration and set-up errors (bad settings,
-mismatched sizes, missing files) are printed as one line per rank and exit with status 2 before any
-heavy work; a diverged loss exits with status 1. Set ``QUADRA_TRACEBACK=1`` to see full tracebacks.
-SIGTERM or SIGUSR1 (preemption) stops every rank after the current step; with checkpointing on, the
-state is saved first, and the process exits 0 with one line saying so.
+``run_train.sh`` launches this under torchrun (through engine/launch.py). Configuration and set-up
+errors (bad settings, mismatched sizes, missing files) exit with status 2 before any heavy work; a
+diverged loss exits with status 1; a second Ctrl-C outside the launcher exits 130. The reason is one
+line: written to ``$QUADRA_ERROR_DIR/rank<N>.err`` when the launcher set that (it prints each distinct
+reason once), else printed with a ``[rankN]`` prefix. Set ``QUADRA_TRACEBACK=1`` to see full
+tracebacks. SIGTERM, SIGUSR1 or a first SIGINT stops every rank after the current step (engine/signals.py);
+with checkpointing on, the state is saved first, and the process exits 0 with one line saying so.
 """
 
 from __future__ import annotations
@@ -16,9 +18,16 @@ import sys
 logger = logging.getLogger("quadra")
 
 
-def _fail(rank: int, kind: str, error: BaseException, code: int) -> int:
+def _fail(rank: int, kind: str, error: BaseException | str, code: int) -> int:
     if os.environ.get("QUADRA_TRACEBACK"):
         logger.exception("%s", kind)
+    error_dir = os.environ.get("QUADRA_ERROR_DIR")
+    if error_dir and os.path.isdir(error_dir):  # the launcher prints it once for all ranks that agree
+        path = os.path.join(error_dir, f"rank{rank}.err")
+        with open(path + ".tmp", "w") as f:
+            f.write(f"{kind}: {error}\n")
+        os.replace(path + ".tmp", path)  # whole or absent when the launcher reads it
+        return code
     # Every line carries the rank prefix, so multi-line messages stay readable when ranks interleave.
     lines = f"{kind}: {error}".splitlines()
     # One write call: ranks share the terminal, and a write under 4 KiB to a pipe is not interleaved.
@@ -38,25 +47,42 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         return _fail(rank, "config error", error, 2)
 
+    from engine import signals
+
+    signals.install()  # before set-up, so that a stop signal during it is not lost
     from engine.distributed import shutdown_distributed
     from engine.metrics import init_logging
     from engine.trainer import Trainer, TrainingDivergedError
 
     init_logging(rank)
+    if rank == 0 and not os.environ.get("QUADRA_LAUNCHER"):  # the launcher printed them already
+        for warning in cfg.warnings():
+            logger.warning("%s", warning)
     try:
         try:
             trainer = Trainer(cfg)
         except (ValueError, FileNotFoundError) as error:
             return _fail(rank, "set-up error", error, 2)
+        except KeyboardInterrupt:
+            return _fail(rank, "interrupted", "second SIGINT during set-up", 130)
         try:
             trainer.train()
         except TrainingDivergedError as error:
             return _fail(rank, "training stopped", error, 1)
+        except KeyboardInterrupt:
+            return _fail(rank, "interrupted", "second SIGINT: stopped without saving; the same command "
+                         "resumes from the newest complete checkpoint", 130)
         finally:
             trainer.close()
         if trainer.stopped_by:
-            done = (f"saved checkpoint step-{trainer.step}" if cfg.checkpoint.enable
-                    else f"stopped after step {trainer.step} without a checkpoint (checkpoint.enable = false)")
+            if trainer.stop_saved:
+                done = f"saved checkpoint step-{trainer.step}"
+            elif trainer.step == 0:
+                done = "stopped before the first step"
+            elif cfg.checkpoint.enable:
+                done = f"nothing trained since checkpoint step-{trainer.step}"
+            else:
+                done = f"stopped after step {trainer.step} without a checkpoint (checkpoint.enable = false)"
             if rank == 0:
                 logger.info("received %s: %s, exiting", trainer.stopped_by, done)
             return 0

@@ -27,14 +27,15 @@ from engine.distributed import init_distributed
 from engine.lr_scheduler import build_lr_scheduler
 from engine.metrics import MetricsLogger
 from engine.loss import IGNORE_INDEX, token_sum_loss
-from engine.model_builder import build_model_parts, resolve_model_args
+from engine.model_builder import build_model_parts
+from models.registry import load_ref
 from engine.optimizer import build_optimizer
 from engine.pipeline_runner import PipelineRunner, plan_model_pipeline
+from engine.preflight import check_setup
 from engine.signals import StopRequest
 from engine.tokenizer import Tokenizer
-from parallelisms.context_parallel import ContextParallel, validate_context_parallel
+from parallelisms.context_parallel import ContextParallel
 from parallelisms.grad_norm import clip_grad_norm_
-from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import loss_parallel_context, to_local
 
 logger = logging.getLogger("quadra")
@@ -61,19 +62,10 @@ class Trainer:
         self.run_folder = cfg.run_folder
         self.dist = init_distributed(cfg.job.device, cfg.comm.backend, cfg.comm.init_timeout_seconds)
         self.device = self.dist.device
-        self.parallel_dims = ParallelDims.from_config(cfg.parallelism, self.dist.world_size)
+        # The same checks as the launcher's pre-flight, for ranks started some other way.
+        setup = check_setup(cfg, self.dist.world_size, self.device.type, check_data=False)
+        self.parallel_dims, self.model_spec, self.model_args = setup.parallel_dims, setup.model_spec, setup.model_args
         tokenizer = Tokenizer(cfg.model.tokenizer_path)
-        self.model_spec, self.model_args = resolve_model_args(
-            cfg.model, seq_len=cfg.training.seq_len, tokenizer_vocab_size=tokenizer.vocab_size
-        )
-        if self.model_spec.validate_parallelism_fn is not None:  # e.g. heads % tp, on every rank
-            self.model_spec.validate_parallelism_fn(
-                self.model_args, cfg.parallelism, seq_len=cfg.training.seq_len,
-                device_type=self.device.type, compile_enabled=cfg.compile.enable,
-            )
-        if self.parallel_dims.cp_enabled:
-            p = cfg.parallelism
-            validate_context_parallel(cfg.training.seq_len, p.cp, p.tp, p.cp_load_balance, p.cp_rotate_method)
         if self.dist.is_distributed:
             self.parallel_dims.build_mesh(self.device.type)
         self.context_parallel = (
@@ -93,6 +85,7 @@ class Trainer:
         self.tokens_seen = 0
         self.stop_request = StopRequest(self.device, self.dist.is_distributed)
         self.stopped_by: str | None = None
+        self.stop_saved = False  # whether the stop saved a checkpoint
         self.checkpointer = self._build_checkpointer()
         self.checkpointer.load()  # continue where an earlier run of this folder stopped, if it saved
 
@@ -145,7 +138,7 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         parts, self.nparams, self.flops_per_token = build_model_parts(
             self.model_spec, self.model_args, plan=self.pp_plan, device=self.device, seed=cfg.training.seed,
-            parallelize=lambda part: self.model_spec.parallelize_fn(
+            parallelize=lambda part: load_ref(self.model_spec.parallelize_fn)(
                 part, self.parallel_dims, parallelism_cfg=cfg.parallelism, training_cfg=cfg.training,
                 ac_cfg=cfg.activation_checkpoint, compile_cfg=cfg.compile, backend=self.dist.backend,
             ),
@@ -363,7 +356,8 @@ class Trainer:
         if gc_freq > 0:
             gc.disable()  # collect at fixed steps so ranks do not stall each other at random times
         try:
-            while self.step < last:
+            self.stopped_by = self.stop_request.agreed()  # a signal during set-up: train no step
+            while self.step < last and not self.stopped_by:
                 start = time.perf_counter()
                 record = self.train_step()
                 record["step_seconds"] = time.perf_counter() - start
@@ -385,9 +379,9 @@ class Trainer:
                     self.metrics.log_validation(self.step, val_loss, math.exp(min(val_loss, 50.0)))
                 self.checkpointer.maybe_save(self.step, final=self.step == self.cfg.training.steps)
                 self.stopped_by = self.stop_request.agreed()
-                if self.stopped_by:  # every rank has the same answer: save together, then stop
+                if self.stopped_by and self.cfg.checkpoint.enable:  # every rank agrees: save together
                     self.checkpointer.save(self.step, wait=True)
-                    break
+                    self.stop_saved = True
         finally:
             if gc_freq > 0:
                 gc.enable()

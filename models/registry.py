@@ -1,16 +1,22 @@
 """A small explicit model registry: one `ModelSpec` per model family, looked up by `model.name`.
 
-DESIGN.md rule of thumb 5: registering a name twice raises, and an unknown name or flavor raises
-with the list of known ones, so a typo in `[model]` fails at start-up with the fix in the message.
+Registering a name twice raises, and an unknown name or flavor raises with the list of known ones,
+so a typo in `[model]` fails at start-up with the fix in the message. The registry, the flavors and
+the start-up checks import no torch: the model class and its parallelize plan are named as
+"module:attribute" and imported on first use (:func:`load_ref`), so the launcher's pre-flight can
+resolve and check a model in a fraction of a second.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import importlib
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
-import torch.nn as nn
+if TYPE_CHECKING:
+    import torch.nn as nn
 
 __all__ = [
     "ModelArgs",
@@ -19,6 +25,8 @@ __all__ = [
     "get_model_spec",
     "get_model_args",
     "list_model_names",
+    "load_ref",
+    "resolve_model_args",
 ]
 
 
@@ -29,7 +37,7 @@ class ModelArgs(Protocol):
     def validate(self) -> None:
         """Raise ValueError if the arguments are not self-consistent."""
 
-    def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
+    def get_nparams_and_flops(self, model: "nn.Module", seq_len: int) -> tuple[int, int]:
         """Return (parameter count, training FLOPs per token) of `model` at `seq_len` tokens."""
 
 
@@ -39,21 +47,23 @@ class ModelSpec:
 
     Attributes:
         name: registry key, matched against `model.name`.
-        model_cls: `nn.Module` class constructed as `model_cls(model_args)`.
+        model_cls: `nn.Module` class constructed as `model_cls(model_args)`, or its
+            "module:attribute" name (imported by :func:`load_ref` when first built).
         flavors: flavor name (`model.flavor`) -> ModelArgs instance.
-        parallelize_fn: `fn(model, parallel_dims, cfg) -> model` applying TP/CP/AC/compile/FSDP,
-            or None while the model has no parallel plan yet.
-        pipeline_fn: splits a model into pipeline stages, or None if PP is not supported.
+        parallelize_fn: the model's plan, or its "module:attribute" name:
+            `fn(model, parallel_dims, *, parallelism_cfg, training_cfg, ac_cfg, compile_cfg, backend)`
+            applies TP/EP/CP/AC/compile/FSDP in place (e.g. `models.llama.parallelize.parallelize_llama`).
+            Pipeline stages are cut by the engine (parallelisms/pipeline.py) from the `layers` dict.
         validate_parallelism_fn: `fn(model_args, parallelism_cfg, *, seq_len, device_type,
             compile_enabled)` raising ValueError when `[parallelism]` cannot shard this model (e.g.
-            heads not divisible by tp); the trainer calls it on every rank before building anything.
+            heads not divisible by tp); must import no torch, since the launcher's pre-flight and
+            every rank call it before building anything.
     """
 
     name: str
-    model_cls: type[nn.Module]
+    model_cls: Any
     flavors: dict[str, Any]
-    parallelize_fn: Callable | None
-    pipeline_fn: Callable | None = None
+    parallelize_fn: Any
     validate_parallelism_fn: Callable | None = None
 
 
@@ -111,3 +121,52 @@ def get_model_args(name: str, flavor: str) -> Any:
 def list_model_names() -> list[str]:
     """Sorted names of all registered models."""
     return sorted(_REGISTRY)
+
+
+def load_ref(ref: Any) -> Any:
+    """The object a spec field names: `ref` itself, or the attribute of a "module:attribute" string.
+
+    Raises:
+        ImportError / AttributeError: the name does not resolve.
+    """
+    if not isinstance(ref, str):
+        return ref
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def resolve_model_args(model_cfg, *, seq_len: int, tokenizer_vocab_size: int):
+    """The model spec and its arguments for ``[model]``, checked against the tokenizer and seq_len.
+
+    ``model.vocab_size = -1`` keeps the flavor's vocabulary; a positive value replaces it (to train
+    a flavor with another tokenizer). The model's RoPE table is sized to ``seq_len``.
+
+    Returns:
+        (ModelSpec, model args dataclass).
+
+    Raises:
+        ValueError: unknown name/flavor, a tokenizer vocabulary larger than the model's embedding
+            table, or ``seq_len`` above the flavor's ``max_seq_len``.
+    """
+    spec: ModelSpec = get_model_spec(model_cfg.name)
+    args = get_model_args(model_cfg.name, model_cfg.flavor)
+    changes = {"tie_embeddings": model_cfg.tie_embeddings}
+    if model_cfg.vocab_size != -1:
+        if model_cfg.vocab_size < 1:
+            raise ValueError(f"model.vocab_size = {model_cfg.vocab_size}: use -1 (the flavor's) or a positive size.")
+        changes["vocab_size"] = model_cfg.vocab_size
+    args = dataclasses.replace(args, **changes)
+    if tokenizer_vocab_size > args.vocab_size:
+        raise ValueError(
+            f"the tokenizer at model.tokenizer_path = {model_cfg.tokenizer_path!r} has "
+            f"{tokenizer_vocab_size} tokens but model {model_cfg.name}/{model_cfg.flavor} has vocab_size "
+            f"{args.vocab_size}. Set model.vocab_size >= {tokenizer_vocab_size} or use a smaller tokenizer."
+        )
+    if seq_len > args.max_seq_len:
+        raise ValueError(
+            f"training.seq_len = {seq_len} exceeds the maximum sequence length {args.max_seq_len} of "
+            f"model {model_cfg.name}/{model_cfg.flavor}. Lower training.seq_len."
+        )
+    args = dataclasses.replace(args, max_seq_len=seq_len)
+    args.validate()
+    return spec, args

@@ -21,14 +21,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from parallelisms.checks import ROTATE_METHODS, ContextParallelError, validate_context_parallel  # noqa: F401
 from parallelisms.ring_attention import allgather_attention, ring_attention
-
-ROTATE_METHODS = ("ring", "allgather")
-
-
-class ContextParallelError(ValueError):
-    """A context-parallel setting that cannot serve this sequence length or attention."""
-
 
 def cp_positions(seq_len: int, cp: int, load_balance: bool) -> torch.Tensor:
     """LongTensor[cp, seq_len / cp]: the global token positions held by each cp rank.
@@ -47,27 +41,6 @@ def cp_positions(seq_len: int, cp: int, load_balance: bool) -> torch.Tensor:
     if not load_balance:
         return chunks
     return torch.stack([torch.cat([chunks[i], chunks[parts - 1 - i]]) for i in range(cp)])
-
-
-def validate_context_parallel(seq_len: int, cp: int, tp: int, load_balance: bool, rotate_method: str) -> None:
-    """Start-up checks: divisibility of seq_len by 2·cp·tp (cp·tp without load balancing) — each
-    cp shard is split again over tp by sequence parallel — and a known rotate method.
-
-    Raises:
-        ContextParallelError: naming the numbers and the fix.
-    """
-    if rotate_method not in ROTATE_METHODS:
-        raise ContextParallelError(
-            f"parallelism.cp_rotate_method = {rotate_method!r}: Quadra's context parallel offers "
-            f"{' and '.join(ROTATE_METHODS)} (all-to-all rotation is not implemented)."
-        )
-    parts = (2 if load_balance else 1) * cp * tp
-    if seq_len % parts != 0:
-        what = "2·cp·tp" if load_balance else "cp·tp"
-        raise ContextParallelError(
-            f"training.seq_len = {seq_len} must be divisible by {what} = {parts} with parallelism.cp = {cp}"
-            f" and tp = {tp}; change seq_len (e.g. {parts * max(1, seq_len // parts)}) or the degrees."
-        )
 
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, seq_len: int, load_balance: bool, rotate_method: str) -> int:

@@ -32,25 +32,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from parallelisms.checks import ExpertParallelError, validate_expert_parallel  # start-up rules, torch-free
+
 __all__ = ["ExpertParallel", "ExpertParallelError", "regroup_by_local_expert", "validate_expert_parallel"]
-
-
-class ExpertParallelError(ValueError):
-    """A ``[parallelism] ep`` setting that cannot work with this model."""
-
-
-def validate_expert_parallel(ep: int, num_experts: int) -> None:
-    """Start-up check, the same on every rank.
-
-    Raises:
-        ExpertParallelError: ``num_experts`` not divisible by ``ep``.
-    """
-    if ep > 1 and num_experts % ep != 0:
-        divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
-        raise ExpertParallelError(
-            f"parallelism.ep = {ep} does not divide the model's num_experts = {num_experts}: each ep "
-            f"rank holds num_experts / ep experts. Set parallelism.ep to one of {divisors}."
-        )
 
 
 def regroup_by_local_expert(counts: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 The world is one 5-D mesh ``pp × dp_replicate × dp_shard × cp × tp`` (outermost first, so that the
 innermost, most communication-hungry dimension, tp, lands on ranks that share a node). Size-1
 dimensions are kept, so every named sub-mesh always exists and code never branches on the shape.
-Flattened sub-meshes are named by use (DESIGN.md rule 3):
+Flattened sub-meshes are named by use:
 
 - ``dp``          = dp_replicate × dp_shard      — data loading: ranks that read different samples
 - ``dp_shard_cp`` = dp_shard × cp                — parameter sharding (FSDP)
@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+if TYPE_CHECKING:  # torch is imported by build_mesh only: validation runs in the torch-free pre-flight
+    from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -61,7 +63,7 @@ class ParallelDims:
     pp: int
     ep: int
     world_size: int
-    _meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
+    _meshes: dict[str, "DeviceMesh"] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -168,6 +170,8 @@ class ParallelDims:
 
         Returns the 5-D world mesh; sub-meshes are available through :meth:`mesh`.
         """
+        from torch.distributed.device_mesh import init_device_mesh
+
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
         world = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES)
         self._meshes = {name: world[name] for name in MESH_DIM_NAMES}

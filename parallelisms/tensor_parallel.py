@@ -26,6 +26,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 
+from parallelisms.checks import TensorParallelError, validate_tensor_parallel  # start-up rules, torch-free
+
 __all__ = [
     "TensorParallelError",
     "apply_tensor_parallel",
@@ -37,75 +39,7 @@ __all__ = [
 ]
 
 
-class TensorParallelError(ValueError):
-    """A ``[parallelism]`` tensor-parallel setting that cannot work with this model or run."""
 
-
-def validate_tensor_parallel(
-    parallelism_cfg,
-    *,
-    divisible: dict[str, int],
-    vocab_size: int,
-    seq_len: int,
-    device_type: str,
-    compile_enabled: bool,
-) -> None:
-    """Check the tensor-parallel settings before anything is built; raises the same error on every rank.
-
-    Args:
-        parallelism_cfg: ``[parallelism]`` (tp, sequence_parallel, loss_parallel, async_tp).
-        divisible: model sizes that the plan shards over tp, by the name the user knows them by
-            (e.g. ``{"dim": 256, "n_heads": 16}``); each must be a multiple of tp.
-        vocab_size: rows of the embedding / output projection (tokens); the plan shards them over tp.
-        seq_len: tokens per sequence (``training.seq_len``); sequence parallel shards it over tp.
-        device_type: "cuda" or "cpu"; compile_enabled: ``compile.enable``.
-
-    Raises:
-        TensorParallelError: naming the setting, its value and the fix, for: a size in ``divisible``
-            or ``vocab_size`` not divisible by tp, ``seq_len % tp != 0`` with sequence parallel,
-            ``async_tp`` with tp = 1, without sequence parallel, without CUDA or without compile.
-    """
-    cfg = parallelism_cfg
-    tp = cfg.tp
-    if cfg.async_tp:
-        # Async TP overlaps the sequence-parallel all-gather / reduce-scatter with the matmuls: it
-        # is an inductor pass over CUDA symmetric-memory collectives, so it needs all of these.
-        missing = []
-        if tp <= 1:
-            missing.append(f"parallelism.tp > 1 (it is {tp})")
-        if not cfg.sequence_parallel:
-            missing.append("parallelism.sequence_parallel = true (its collectives are what it overlaps)")
-        if device_type != "cuda":
-            missing.append(f"CUDA devices (this run uses {device_type})")
-        if not compile_enabled:
-            missing.append("compile.enable = true (the overlap is a torch.compile pass)")
-        if missing:
-            raise TensorParallelError(
-                "parallelism.async_tp = true needs " + ", ".join(missing)
-                + ". Set parallelism.async_tp = false, or meet those conditions."
-            )
-    if tp <= 1:
-        return
-    for name, size in divisible.items():
-        if size % tp != 0:
-            raise TensorParallelError(
-                f"parallelism.tp = {tp} does not divide the model's {name} = {size}: tensor parallel "
-                f"gives every rank {name} / tp of it. Choose a tp that divides {size}, or another flavor."
-            )
-    if vocab_size % tp != 0:
-        padded = -(-vocab_size // tp) * tp
-        raise TensorParallelError(
-            f"parallelism.tp = {tp} does not divide the vocabulary size {vocab_size}: the embedding and "
-            "the output projection (and, with parallelism.loss_parallel, the logits) are sharded over "
-            f"the vocabulary. Pad it: set model.vocab_size = {padded} (ids the tokenizer never emits "
-            "are harmless), or choose a tp that divides it."
-        )
-    if cfg.sequence_parallel and seq_len % tp != 0:
-        raise TensorParallelError(
-            f"training.seq_len = {seq_len} is not divisible by parallelism.tp = {tp}: sequence parallel "
-            "gives every rank seq_len / tp tokens of each sequence. Choose a seq_len that is a multiple "
-            "of tp, or set parallelism.sequence_parallel = false."
-        )
 
 
 def apply_tensor_parallel(

@@ -1,7 +1,10 @@
 """Tests for engine/config.py: defaults, TOML + CLI precedence, strict keys, validate(), TOML out."""
 
 import dataclasses
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 from pathlib import Path
 
 import pytest

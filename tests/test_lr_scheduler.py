@@ -117,18 +117,35 @@ def test_state_dict_round_trip_resumes_the_schedule():
 
 
 @pytest.mark.parametrize("overrides, steps, match", [
-    ({"warmup_steps": 10}, 10, r"lr_scheduler.warmup_steps=10 must be < training.steps=10"),
     ({"warmup_steps": -1}, 10, "lr_scheduler.warmup_steps=-1"),
     ({"decay_type": "step"}, 10, r"lr_scheduler.decay_type='step'.*cosine"),
     ({"min_lr": 2 * LR}, 10, "lr_scheduler.min_lr"),
     ({"decay_ratio": 1.5}, 10, "lr_scheduler.decay_ratio=1.5"),
-    ({"decay_type": "wsd", "warmup_steps": 8, "decay_ratio": 0.5}, 10, "decay_ratio=0.5"),
     ({}, 0, "training.steps=0"),
 ])
 def test_bad_config(overrides, steps, match):
     opt = torch.optim.AdamW(nn.Linear(2, 2).parameters(), lr=LR)
     with pytest.raises(ValueError, match=match):
         build_lr_scheduler(opt, _cfg(**overrides), steps)
+
+
+@pytest.mark.parametrize("overrides, steps, expected", [
+    # A warmup as long as the run or longer is clamped to it: the lr rises to the peak at the last step.
+    ({"warmup_steps": 10, "decay_type": "cosine"}, 3, [LR / 3, 2 * LR / 3, LR]),
+    ({"warmup_steps": 10, "decay_type": "linear"}, 1, [LR]),
+    # wsd keeps its decay: warmup 8 + round(0.5 * 10) decay steps > 10, so the warmup becomes 5.
+    ({"warmup_steps": 8, "decay_type": "wsd", "decay_ratio": 0.5}, 10,
+     [LR * s / 5 for s in range(1, 6)] + [LR * (1 - k / 5) for k in range(1, 6)]),
+])
+def test_warmup_longer_than_the_run_is_clamped(overrides, steps, expected):
+    opt = torch.optim.AdamW(nn.Linear(2, 2).parameters(), lr=LR)
+    sched = build_lr_scheduler(opt, _cfg(min_lr=0.0, **overrides), steps)
+    seen = []
+    for _ in range(steps):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx(expected)
 
 
 def test_groups_with_different_lrs_are_rejected():

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from models import get_model_args
-from models.llama.parallelize import validate_llama_parallelism
+from models.llama.checks import validate_llama_parallelism
 from models.moe.args import MoEModelArgs
 from models.moe.flavors import moe_flavors
 from models.moe.layers import MoE, capacity_keep_mask, combine_expert_outputs, sort_tokens_by_expert
 from models.moe.model import MoETransformer
-from models.moe.parallelize import validate_moe_parallelism
+from models.moe.checks import validate_moe_parallelism
 from parallelisms.expert_parallel import ExpertParallelError, regroup_by_local_expert
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
 from parallelisms.tensor_parallel import TensorParallelError

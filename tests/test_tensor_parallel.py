@@ -217,7 +217,7 @@ def test_bad_setting_fails_on_every_rank(name, rank_results):
 def _validate(tp: int, *, seq_len: int = 64, device_type: str = "cpu", compile_enabled: bool = False, **changes):
     from engine.config_sections import ParallelismSection
     from models import get_model_args
-    from models.llama.parallelize import validate_llama_parallelism
+    from models.llama.checks import validate_llama_parallelism
 
     knobs = {k: changes.pop(k) for k in ("sequence_parallel", "loss_parallel", "async_tp") if k in changes}
     args = dataclasses.replace(get_model_args("llama", "debugmodel"), **changes)

@@ -2,7 +2,10 @@
 and the LLaMA-3 presets carry the settings their GPU counts assume."""
 
 import math
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 from pathlib import Path
 
 import pytest

@@ -2,8 +2,7 @@
 
 from models.llama.args import LlamaModelArgs
 from models.llama.flavors import llama3_flavors
-from models.llama.model import Transformer
-from models.llama.parallelize import parallelize_llama, validate_llama_parallelism
+from models.llama.checks import validate_llama_parallelism
 from models.registry import ModelSpec, register_model_spec
 
 __all__ = ["LlamaModelArgs", "Transformer", "llama3_flavors"]
@@ -11,10 +10,18 @@ __all__ = ["LlamaModelArgs", "Transformer", "llama3_flavors"]
 register_model_spec(
     ModelSpec(
         name="llama",
-        model_cls=Transformer,
+        model_cls="models.llama.model:Transformer",
         flavors=llama3_flavors,
-        parallelize_fn=parallelize_llama,
-        pipeline_fn=None,
+        parallelize_fn="models.llama.parallelize:parallelize_llama",
         validate_parallelism_fn=validate_llama_parallelism,
     )
 )
+
+
+def __getattr__(name: str):
+    """``Transformer`` on first use: importing the package (and the registry) stays torch-free."""
+    if name == "Transformer":
+        from models.llama.model import Transformer
+
+        return Transformer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.nn as nn
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # flavors stay importable without torch (the launcher's pre-flight)
+    import torch.nn as nn
 
 __all__ = ["LlamaModelArgs", "ffn_hidden_dim"]
 

@@ -5,7 +5,6 @@ Tensor parallel comes first because it swaps parameters for DTensors on the ``tp
 later wrapper must see: activation checkpointing and compile wrap the already-sharded blocks, and
 FSDP, always last, must see the final module structure (wrapped, compiled blocks) to place its
 per-block units and shards the TP DTensors once more over dp_shard (2-D: FSDP across, TP within).
-Expert and context parallel plug in after TP when their issues land.
 
 The TP plan is Megatron-LM's (arXiv 1909.08053) with sequence parallel (arXiv 2205.05198): see
 :func:`apply_tp_llama`.
@@ -29,12 +28,10 @@ from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import apply_compile
 from parallelisms.context_parallel import apply_cp
 from parallelisms.data_parallel import apply_ddp, apply_fsdp
-from parallelisms.expert_parallel import ExpertParallelError
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import (
     apply_tensor_parallel,
     enable_async_tp,
-    validate_tensor_parallel,
     wait_async_output,
 )
 
@@ -118,44 +115,6 @@ def parallelize_llama(
             backend=backend or "gloo",
         )
     return model
-
-
-def validate_llama_parallelism(
-    model_args, parallelism_cfg, *, seq_len: int, device_type: str, compile_enabled: bool
-) -> None:
-    """Start-up checks of ``[parallelism]`` against a LLaMA model, before anything is built.
-
-    Tensor parallel gives every rank ``1/tp`` of the query heads, of the key/value heads (GQA), of
-    the feed-forward width and of the vocabulary, and (with sequence parallel) of each sequence;
-    ``dim`` is checked too, as the issue's contract (it follows from ``n_heads % tp`` here).
-
-    Args:
-        model_args: ``LlamaModelArgs`` after ``resolve_model_args`` (vocab_size as trained).
-        parallelism_cfg: ``[parallelism]``.
-        seq_len: ``training.seq_len`` (tokens); device_type: "cuda"/"cpu"; compile_enabled: ``compile.enable``.
-
-    Raises:
-        TensorParallelError (a ValueError): naming the setting, the value and the fix.
-        ExpertParallelError (a ValueError): ``ep > 1`` (a dense model has no experts to spread).
-    """
-    if parallelism_cfg.ep > 1:
-        raise ExpertParallelError(
-            f"parallelism.ep = {parallelism_cfg.ep}: model.name = \"llama\" is dense and has no experts to "
-            "spread over ranks. Set parallelism.ep = 1, or train a mixture-of-experts model (model.name = \"moe\")."
-        )
-    validate_tensor_parallel(
-        parallelism_cfg,
-        divisible={
-            "dim": model_args.dim,
-            "n_heads": model_args.n_heads,
-            "n_kv_heads": model_args.kv_heads,
-            "feed-forward width (ffn_hidden_dim)": model_args.ffn_hidden_dim,
-        },
-        vocab_size=model_args.vocab_size,
-        seq_len=seq_len,
-        device_type=device_type,
-        compile_enabled=compile_enabled,
-    )
 
 
 def apply_tp_llama(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:

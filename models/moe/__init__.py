@@ -2,8 +2,7 @@
 
 from models.moe.args import MoEModelArgs
 from models.moe.flavors import moe_flavors
-from models.moe.model import MoETransformer
-from models.moe.parallelize import parallelize_moe, validate_moe_parallelism
+from models.moe.checks import validate_moe_parallelism
 from models.registry import ModelSpec, register_model_spec
 
 __all__ = ["MoEModelArgs", "MoETransformer", "moe_flavors"]
@@ -11,10 +10,18 @@ __all__ = ["MoEModelArgs", "MoETransformer", "moe_flavors"]
 register_model_spec(
     ModelSpec(
         name="moe",
-        model_cls=MoETransformer,
+        model_cls="models.moe.model:MoETransformer",
         flavors=moe_flavors,
-        parallelize_fn=parallelize_moe,
-        pipeline_fn=None,
+        parallelize_fn="models.moe.parallelize:parallelize_moe",
         validate_parallelism_fn=validate_moe_parallelism,
     )
 )
+
+
+def __getattr__(name: str):
+    """``MoETransformer`` on first use: importing the package (and the registry) stays torch-free."""
+    if name == "MoETransformer":
+        from models.moe.model import MoETransformer
+
+        return MoETransformer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

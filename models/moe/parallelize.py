@@ -43,9 +43,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from models.llama.parallelize import DTYPES, parallelize_llama
-from parallelisms.expert_parallel import ExpertParallel, ExpertParallelError, validate_expert_parallel
+from parallelisms.expert_parallel import ExpertParallel
 from parallelisms.parallel_dims import ParallelDims
-from parallelisms.tensor_parallel import validate_tensor_parallel
 
 __all__ = ["parallelize_moe", "validate_moe_parallelism"]
 
@@ -152,38 +151,3 @@ def _shard_experts(model: nn.Module, parallel_dims: ParallelDims, parallelism_cf
     # below the model, these included.
 
 
-def validate_moe_parallelism(
-    model_args, parallelism_cfg, *, seq_len: int, device_type: str, compile_enabled: bool
-) -> None:
-    """Start-up checks of ``[parallelism]`` against an MoE model, the same on every rank.
-
-    Tensor parallel shards what it shards in a LLaMA model (heads, dims, dense feed-forward width,
-    vocabulary, sequence) and the shared experts' width; expert parallel splits the routed experts.
-
-    Raises:
-        ExpertParallelError (a ValueError): ``num_experts`` not divisible by ``ep``; ``compile.enable``
-            (blocks are compiled with fullgraph=True, and routing has data-dependent shapes).
-        TensorParallelError (a ValueError): a size above not divisible by ``tp``, and the other
-            tensor-parallel checks.
-    """
-    validate_expert_parallel(parallelism_cfg.ep, model_args.num_experts)
-    if compile_enabled:
-        raise ExpertParallelError(
-            "compile.enable = true is not supported for model.name = \"moe\" yet: blocks are compiled "
-            "whole (fullgraph), and token routing has data-dependent sizes (tokens per expert, "
-            "all-to-all splits) that break the graph. Set compile.enable = false."
-        )
-    divisible = {
-        "dim": model_args.dim,
-        "n_heads": model_args.n_heads,
-        "n_kv_heads": model_args.kv_heads,
-        "feed-forward width (ffn_hidden_dim)": model_args.ffn_hidden_dim,
-    }
-    if model_args.n_shared_experts > 0:
-        divisible["shared experts' width (n_shared_experts × moe_inter_dim)"] = (
-            model_args.n_shared_experts * model_args.moe_inter_dim
-        )
-    validate_tensor_parallel(
-        parallelism_cfg, divisible=divisible, vocab_size=model_args.vocab_size, seq_len=seq_len,
-        device_type=device_type, compile_enabled=compile_enabled,
-    )

@@ -1,0 +1,235 @@
+"""``python -m engine.launch [--section.key value ...]``: pre-flight, then torchrun, as a user expects.
+
+``run_train.sh`` execs this module. It adds three things around torchrun (``torch.distributed.run``,
+which still starts, watches and stops the ranks):
+
+1. **Pre-flight.** The config is loaded and checked once, before any rank starts: first the config
+   alone (no torch import), then every rule that the world size ``NGPU × NNODES`` decides
+   (:func:`engine.preflight.check_setup`). A problem prints one line and exits 2.
+2. **One line per failure.** When ranks fail, each writes its one-line reason to a file in
+   ``QUADRA_ERROR_DIR`` (see engine/train.py) instead of the terminal; this process prints each
+   distinct reason once, with the ranks that gave it, and exits with their status (2 for set-up
+   errors), without torchrun's traceback. ``QUADRA_TRACEBACK=1`` shows everything instead.
+3. **Signals, however delivered.** SIGTERM and SIGUSR1 (scancel, ``--signal=USR1@120``, ``kill``,
+   ``kill -- -<pgid>``, a container stop) to this process are forwarded to the ranks, which finish
+   the current step, save a checkpoint together and exit 0 (engine/signals.py); torchrun is not
+   allowed to turn them into a job failure. The first SIGINT (Ctrl-C) does the same; a second one
+   kills the ranks at once (SIGKILL) and exits 130: the newest complete checkpoint stays, since a
+   save only becomes visible when it is complete (engine/checkpoint_files.py).
+
+Environment: ``NGPU`` (processes on this node; default: visible GPUs, else 2), ``NNODES`` (default 1),
+``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` (rendezvous when ``NNODES > 1``: torchrun's static
+rendezvous, so node ``NODE_RANK`` holds ranks ``NODE_RANK × NGPU ...``), ``LOG_RANKS`` (local ranks whose
+output is shown), ``OMP_NUM_THREADS`` (default: cores / NGPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+
+ABORT_EXIT = 130  # 128 + SIGINT, the shell's convention for a run interrupted by Ctrl-C
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    value = os.environ.get(name, "")
+    if value == "":
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < (0 if name == "NODE_RANK" else 1):
+        raise _LaunchError(f"{name}={value!r} must be a {'non-negative' if name == 'NODE_RANK' else 'positive'} "
+                           f"integer; set {name} to a number or leave it unset")
+    return number
+
+
+class _LaunchError(Exception):
+    """A launch setting (environment variable) that cannot work; printed as one line, exit 2."""
+
+
+def _gpus_visible() -> int:
+    """CUDA devices torch sees; torch (seconds to import) is only asked where a GPU driver exists."""
+    if shutil.which("nvidia-smi") is None and not os.path.exists("/dev/nvidiactl"):
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _nproc_per_node(gpus: int) -> int:
+    ngpu = _env_int("NGPU", None)
+    return ngpu if ngpu is not None else (gpus or 2)
+
+
+def torchrun_args(nproc: int, nnodes: int, entry: list[str]) -> list[str]:
+    """torchrun's command line for this node (see the module docstring for the environment).
+
+    Single node: ``--standalone`` (a private rendezvous on a free port). Several nodes: the static
+    rendezvous on ``MASTER_ADDR:MASTER_PORT`` with ``--node-rank=NODE_RANK``, so global ranks follow
+    the node ranks the user gave (torchrun's c10d rendezvous would rank nodes by arrival and ignore
+    ``NODE_RANK``).
+
+    Raises:
+        _LaunchError: ``NNODES > 1`` without ``MASTER_ADDR`` or ``NODE_RANK``, or a ``NODE_RANK``
+            outside [0, NNODES).
+    """
+    signals = "--signals-to-handle=SIGHUP,SIGQUIT"  # TERM, USR1 and INT are ours (see _Signals)
+    if nnodes == 1:
+        launch = ["--standalone", "--nnodes=1", f"--nproc-per-node={nproc}"]
+    else:
+        addr = os.environ.get("MASTER_ADDR", "")
+        node_rank = _env_int("NODE_RANK", None)
+        if not addr or node_rank is None:
+            raise _LaunchError(f"NNODES={nnodes} needs MASTER_ADDR (the first node's address) and NODE_RANK "
+                               f"(this node's index, 0..{nnodes - 1}); set both on every node")
+        if node_rank >= nnodes:
+            raise _LaunchError(f"NODE_RANK={node_rank} must be below NNODES={nnodes}; number the nodes 0..{nnodes - 1}")
+        port = _env_int("MASTER_PORT", 29500)
+        launch = [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--nproc-per-node={nproc}",
+                  "--rdzv-backend=static", f"--master-addr={addr}", f"--master-port={port}"]
+    if os.environ.get("LOG_RANKS"):
+        launch.append(f"--local-ranks-filter={os.environ['LOG_RANKS']}")
+    return [*launch, signals, *entry]
+
+
+class _Signals:
+    """SIGTERM/SIGUSR1/SIGINT handling of the launcher process (see the module docstring)."""
+
+    def __init__(self):
+        self.interrupts = 0
+        self.received: str | None = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        self.received = self.received or name
+        if signum == signal.SIGINT:
+            self.interrupts += 1
+            if self.interrupts >= 2:  # a second Ctrl-C: stop now; the last complete save remains
+                _kill_children(signal.SIGKILL)
+                return
+        _kill_children(signum)
+
+
+def _kill_children(signum: int) -> None:
+    """Send ``signum`` to this process's children (torchrun's agent runs in this process, so they
+    are the ranks). Children are read from /proc; elsewhere the signal is not forwarded."""
+    me = str(os.getpid())
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = f.read().rsplit(")", 1)[1].split()[1]
+        except (OSError, IndexError):
+            continue
+        if ppid == me:
+            try:
+                os.kill(int(pid), signum)
+            except OSError:
+                pass
+
+
+def _summarize_failure(error, error_dir: str, signals: _Signals) -> int:
+    """One line per distinct rank error (from the ranks' error files); returns the exit status."""
+    messages: dict[str, list[int]] = {}
+    for name in sorted(os.listdir(error_dir)):
+        if name.startswith("rank") and name.endswith(".err"):
+            with open(os.path.join(error_dir, name)) as f:
+                text = f.read().strip()
+            if text:
+                messages.setdefault(text, []).append(int(name[4:-4]))
+    failures = getattr(error, "failures", {})
+    codes = {rank: failure.exitcode for rank, failure in failures.items()}
+    if signals.interrupts >= 2:
+        _say("quadra: stopped at once by a second Ctrl-C (SIGINT); the same command resumes from the newest "
+             "complete checkpoint")
+        return ABORT_EXIT
+    for text, ranks in messages.items():
+        who = "" if len(messages) == 1 else f"[rank{','.join(map(str, ranks))}] "
+        _say(who + text)
+    if not messages:
+        for rank, code in sorted(codes.items()):
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+            _say(f"quadra: rank {rank} ended with {how} before reporting an error (killed, out of memory, "
+                 "or a crash above); rerun with QUADRA_TRACEBACK=1 for details")
+            break
+    statuses = [code for code in codes.values() if code > 0]
+    if 2 in statuses:
+        return 2
+    return statuses[0] if statuses else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Pre-flight, launch and wait; returns the exit status (see the module docstring)."""
+    argv = sys.argv[1:] if argv is None else argv
+    from engine.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(argv)
+        cfg.validate()
+        nnodes = _env_int("NNODES", 1)
+        gpus = _gpus_visible()
+        nproc = _nproc_per_node(gpus)
+        if not os.environ.get("OMP_NUM_THREADS"):  # processes share the cores: one share each
+            os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+        entry = ["-m", "engine.train", *argv]
+        torchrun_argv = torchrun_args(nproc, nnodes, entry)
+    except ConfigError as error:
+        _say(f"config error: {error}")
+        return 2
+    except _LaunchError as error:
+        _say(f"launch error: {error}")
+        return 2
+
+    from engine.preflight import check_setup, hardware_warnings
+
+    world_size = nproc * nnodes
+    device_type = cfg.job.device if cfg.job.device != "auto" else ("cuda" if gpus else "cpu")
+    try:
+        check_setup(cfg, world_size, device_type)
+    except (ValueError, FileNotFoundError) as error:
+        _say(f"set-up error: {error}")
+        return 2
+    for warning in [*cfg.warnings(), *hardware_warnings(cfg, device_type)]:
+        _say(f"warning: {warning}")
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    traceback = bool(os.environ.get("QUADRA_TRACEBACK"))
+    if not traceback:  # torchrun logs each failed rank at ERROR level; we print the reason instead
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    error_dir = tempfile.mkdtemp(prefix="quadra-errors-")
+    os.environ["QUADRA_ERROR_DIR"] = error_dir
+    os.environ["QUADRA_LAUNCHER"] = "1"  # ranks: warnings were printed here; Ctrl-C is counted here
+    signals = _Signals()
+    try:
+        run(get_args_parser().parse_args(torchrun_argv))
+        return 0
+    except ChildFailedError as error:
+        if traceback:
+            raise
+        return _summarize_failure(error, error_dir, signals)
+    finally:
+        shutil.rmtree(error_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    status = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
