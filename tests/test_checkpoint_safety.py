@@ -1,21 +1,15 @@
-"""Checkpoint safety: bad checkpoint settings stop every rank before training with a clear message,
-and SIGTERM through ./run_train.sh saves, exits 0, and a rerun continues the same loss curve."""
+"""Checkpoint safety: bad checkpoint settings stop every rank before training with a clear message.
+(Stop signals through ./run_train.sh are in tests/test_launch.py.)"""
 
 from __future__ import annotations
 
-import glob
-import json
 import os
-import signal
-import subprocess
-import time
 
 import pytest
 
 from engine.trainer import Trainer  # noqa: F401 - imported once here, so forked workers start warm
-from tests.checkpoint_utils import STEPS, train_run, write_tiny_corpus
 from tests.dist_utils import run_distributed
-from tests.training_utils import REPO, base_args
+from tests.training_utils import base_args
 
 
 def _setup_errors(argv_list: list[list[str]]) -> list[str]:
@@ -90,71 +84,3 @@ def test_unwritable_folder_fails_on_every_rank(tmp_path):
     for message in messages:  # rank 1 did not check the folder, but says the same
         assert "checkpoint.folder" in message and "cannot be written" in message and "NotADirectoryError" in message
     assert messages[0] == messages[1]
-
-
-# ---------------------------------------------------------------- SIGTERM through run_train.sh
-def _launch(args: list[str]) -> subprocess.Popen:
-    env = dict(os.environ, NGPU="2", OMP_NUM_THREADS="1")
-    env.pop("CONFIG_FILE", None)
-    return subprocess.Popen([os.path.join(REPO, "run_train.sh"), *args], cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _train_steps(folder: str) -> list[dict]:
-    path = os.path.join(folder, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as fh:
-        return [r for r in map(json.loads, fh) if r["kind"] == "train"]
-
-
-def _finish(proc: subprocess.Popen, timeout: float = 240) -> str:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"run_train.sh did not finish:\n{out[-3000:]}")
-    return out
-
-
-def test_sigterm_saves_and_the_same_command_continues_the_curve(tmp_path):
-    corpus = write_tiny_corpus(str(tmp_path))
-    settings = {"data.path": corpus, "training.steps": STEPS, "training.seq_len": 64, "validation.enable": "false",
-                "training.local_batch_size": 2, "training.global_batch_size": 8, "training.gc_freq": 0,
-                "lr_scheduler.warmup_steps": 2, "metrics.log_freq": 1, "checkpoint.interval": 100,
-                "job.print_config": "false", "comm.init_timeout_seconds": 60}
-    folder = str(tmp_path / "run")
-    args = [f"--{k}={v}" for k, v in {"job.dump_folder": folder, **settings}.items()]
-
-    proc = _launch(args)
-    deadline = time.monotonic() + 240
-    while len(_train_steps(folder)) < 2 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)  # to the script only, as `kill <pid>` or a scheduler would
-    out = _finish(proc)
-    assert proc.returncode == 0, out[-3000:]
-    stopped_at = _train_steps(folder)[-1]["step"]
-    assert stopped_at < STEPS, "the run ended before the signal arrived"
-    assert f"received SIGTERM: saved checkpoint step-{stopped_at}, exiting" in out, out[-3000:]
-    assert os.listdir(os.path.join(folder, "checkpoint")) == [f"step-{stopped_at}"]
-
-    proc = _launch(args)  # the same command again
-    out = _finish(proc)
-    assert proc.returncode == 0 and f"resumed from {folder}/checkpoint/step-{stopped_at}" in out, out[-3000:]
-    records = _train_steps(folder)
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), "one continuous curve, no step twice"
-
-    # The curve is the uninterrupted run's, bitwise (same layout, same arithmetic).
-    config = os.path.join(REPO, "train_configs", "debug_model.toml")
-    reference_args = ["--job.config_file", config, *args, f"--job.dump_folder={tmp_path / 'reference'}"]
-    reference = run_distributed(train_run, 2, reference_args)[0]["losses"]
-    assert {r["step"]: r["loss"] for r in records} == reference
-
-    # TensorBoard: the rerun appends a second events file in the same folder; together one curve.
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    assert len(glob.glob(os.path.join(folder, "tb", "events.out.tfevents.*"))) == 2
-    events = EventAccumulator(os.path.join(folder, "tb"))
-    events.Reload()
-    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, STEPS + 1))
