@@ -15,7 +15,7 @@ which still starts, watches and stops the ranks):
    the current step, save a checkpoint together and exit 0 (engine/signals.py); torchrun is not
    allowed to turn them into a job failure. The first SIGINT (Ctrl-C) does the same; a second one
    kills the ranks at once (SIGKILL) and exits 130: the newest complete checkpoint stays, since a
-   save only becomes visible when it is complete (engine/checkpoint_files.py).
+   save only becomes visible when it is complete (engine/checkpoint/files.py).
 
 Environment: ``NGPU`` (processes on this node; default: visible GPUs, else 2), ``NNODES`` (default 1),
 ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` (rendezvous when ``NNODES > 1``: torchrun's static

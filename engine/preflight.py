@@ -56,8 +56,8 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
         its value and the fix.
     """
     import models  # noqa: F401  (registers the built-in models; torch-free)
-    from engine.batch_sizes import resolve_batch_sizes
-    from engine.tokenizer import Tokenizer
+    from engine.data.batch_sizes import resolve_batch_sizes
+    from engine.data.tokenizer import Tokenizer
     from models.registry import resolve_model_args
     from parallelisms.checks import validate_context_parallel
     from parallelisms.parallel_dims import ParallelDims
@@ -81,7 +81,7 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
 
 
 def _check_local_data(cfg) -> None:
-    from engine.data_source import looks_like_local_path, resolve_local_files
+    from engine.data.sources import looks_like_local_path, resolve_local_files
 
     paths = [("data.path", cfg.data.path)]
     if cfg.validation.enable and cfg.validation.path:

@@ -33,7 +33,7 @@ from engine.optimizer import build_optimizer
 from engine.pipeline_runner import PipelineRunner, plan_model_pipeline
 from engine.preflight import check_setup
 from engine.signals import StopRequest
-from engine.tokenizer import Tokenizer
+from engine.data.tokenizer import Tokenizer
 from parallelisms.context_parallel import ContextParallel
 from parallelisms.grad_norm import clip_grad_norm_
 from parallelisms.tensor_parallel import loss_parallel_context, to_local

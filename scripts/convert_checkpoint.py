@@ -8,7 +8,7 @@
     ./run_train.sh --checkpoint.initial_load_path weights_dcp
 
 Runs in one process without a process group (no torchrun). Exit status 2 with a one-line message on
-bad input. The work is done by engine/checkpoint_tools.py.
+bad input. The work is done by engine/checkpoint/tools.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 # Allow `python scripts/convert_checkpoint.py` from the repo root without installing the package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.checkpoint_tools import DTYPES, export_model_weights, import_model_weights  # noqa: E402
+from engine.checkpoint.tools import DTYPES, export_model_weights, import_model_weights  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,7 @@ import sentencepiece as spm
 # Allow `python scripts/train_tokenizer.py` from the repo root without installing the package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.data_source import iter_text_batches, load_documents  # noqa: E402
+from engine.data.sources import iter_text_batches, load_documents  # noqa: E402
 
 SPECIAL_IDS = {"pad_id": 0, "bos_id": 1, "eos_id": 2, "unk_id": 3}
 

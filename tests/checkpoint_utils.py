@@ -99,7 +99,7 @@ def read_checkpoint(path: str, tmp_file: str) -> dict:
     """Every entry of a DCP checkpoint as a flat {key: value} (tensors in full), one process."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from engine.checkpoint_state import quiet_single_process
+    from engine.checkpoint.state import quiet_single_process
 
     with quiet_single_process():
         dcp_to_torch_save(path, tmp_file)

@@ -33,7 +33,7 @@ def private_datasets_cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tok():
     """The bundled Shakespeare tokenizer (vocab 4096)."""
-    from engine.tokenizer import Tokenizer
+    from engine.data.tokenizer import Tokenizer
 
     return Tokenizer(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets",
                                   "tokenizer", "shakespeare.model"))

@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from engine import checkpoint_files as files
-from engine.checkpoint_state import (
+from engine.checkpoint import files
+from engine.checkpoint.state import (
     _restore, _strip, changed_settings, optimizer_settings, reapply_lr, restore_optimizer_settings,
 )
 from engine.signals import StopRequest
@@ -77,7 +77,7 @@ def test_part_index_is_stripped_and_restored():
 
 
 def test_reapply_lr_matches_the_scheduler_and_takes_a_new_schedule():
-    from engine.config_sections import LRSchedulerSection
+    from engine.config.schema import LRSchedulerSection
     from engine.lr_scheduler import build_lr_scheduler
 
     def scheduler(steps):
@@ -130,7 +130,7 @@ def test_stop_request_records_sigterm_and_sigusr1():
 # ---------------------------------------------------------------- export, import, seed
 def _export_round_trip(folder: str) -> dict:
     """Train 2 steps; export step-2; compare with the live model; import; a new run starts from it."""
-    from engine.checkpoint_tools import export_model_weights, import_model_weights, save_seed_checkpoint
+    from engine.checkpoint.tools import export_model_weights, import_model_weights, save_seed_checkpoint
     from engine.config import load_config
     from engine.trainer import Trainer
 

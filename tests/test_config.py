@@ -1,4 +1,4 @@
-"""Tests for engine/config.py: defaults, TOML + CLI precedence, strict keys, validate(), TOML out."""
+"""Tests for engine/config/loading.py: defaults, TOML + CLI precedence, strict keys, validate(), TOML out."""
 
 import dataclasses
 try:

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from engine.data import build_dataloader, build_validation_dataloader, resolve_batch_sizes
-from engine.data_packing import pack_documents
-from engine.data_source import load_documents, looks_like_local_path
+from engine.data.packing import pack_documents
+from engine.data.sources import load_documents, looks_like_local_path
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 S = 8  # seq_len of most tests: small, so a few documents give dozens of windows
@@ -273,7 +273,7 @@ def test_concurrent_loads_of_one_file(tmp_path):
     code = textwrap.dedent(f"""
         import datasets
         datasets.config.HF_DATASETS_CACHE = {str(tmp_path / "cache")!r}
-        from engine.data_source import load_documents, looks_like_local_path
+        from engine.data.sources import load_documents, looks_like_local_path
         print(len(load_documents({path!r})))
     """)
     env = {**os.environ, "PYTHONPATH": REPO}

@@ -7,7 +7,7 @@ import random
 import pytest
 import sentencepiece as spm
 
-from engine.tokenizer import Tokenizer
+from engine.data.tokenizer import Tokenizer
 from scripts.train_tokenizer import iter_training_sentences, main as train_tokenizer_main
 
 BUNDLED = "assets/tokenizer/shakespeare.model"

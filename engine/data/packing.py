@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from engine.tokenizer import Tokenizer
+from engine.data.tokenizer import Tokenizer
 
 
 

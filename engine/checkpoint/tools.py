@@ -20,9 +20,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from engine import checkpoint_files as files
-from engine.checkpoint_files import CheckpointError
-from engine.checkpoint_state import MODEL_KEY, quiet_single_process, saved_model_keys
+from engine.checkpoint import files
+from engine.checkpoint.files import CheckpointError
+from engine.checkpoint.state import MODEL_KEY, quiet_single_process, saved_model_keys
 
 logger = logging.getLogger("quadra")
 
@@ -109,7 +109,7 @@ def save_seed_checkpoint(cfg) -> str:
     """
     from engine.config import config_to_toml
     from engine.model_builder import build_meta_model, materialize, resolve_model_args
-    from engine.tokenizer import Tokenizer
+    from engine.data.tokenizer import Tokenizer
 
     folder = os.path.join(cfg.run_folder, cfg.checkpoint.folder)
     found = files.scan(folder)

@@ -2,7 +2,7 @@
 
 Layout-independent batching: optimizer step k consumes the global window positions
 [k*G, (k+1)*G) (G = training.global_batch_size) of the position sequence described in
-engine/data_packing.py. dp rank r owns the contiguous slice [k*G + r*L*A, k*G + (r+1)*L*A) and
+engine/data/packing.py. dp rank r owns the contiguous slice [k*G + r*L*A, k*G + (r+1)*L*A) and
 yields it as A = G / (L*dp) microbatches of L = training.local_batch_size windows. The windows a
 step trains on therefore do not depend on dp, L or A, and the loader state is one global position
 plus a microbatch index.
@@ -15,11 +15,11 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from engine.batch_sizes import resolve_batch_sizes  # noqa: F401  (re-exported)
+from engine.data.batch_sizes import resolve_batch_sizes  # noqa: F401  (re-exported)
 
-from engine.data_packing import MapWindows, StreamWindows, pack_documents
-from engine.data_source import iter_text_batches, load_documents
-from engine.tokenizer import Tokenizer
+from engine.data.packing import MapWindows, StreamWindows, pack_documents
+from engine.data.sources import iter_text_batches, load_documents
+from engine.data.tokenizer import Tokenizer
 
 logger = logging.getLogger("quadra.data")
 
@@ -232,7 +232,7 @@ def build_dataloader(data_cfg, tokenizer: Tokenizer, *, seq_len: int, local_batc
 
     Args:
         data_cfg: the `[data]` section (path, text_column, split, streaming, shuffle).
-        tokenizer: see engine/tokenizer.py; needs bos and eos ids.
+        tokenizer: see engine/data/tokenizer.py; needs bos and eos ids.
         seq_len: S, tokens per sequence (training.seq_len).
         local_batch_size: L, sequences per microbatch on this rank.
         global_batch_size: G, sequences per optimizer step over all dp ranks; -1 = L * dp_degree.

@@ -12,7 +12,7 @@ well, so a crash at any moment leaves either the old set of checkpoints or the o
 complete new one; a partial folder is recognisable and ignored (with a warning) at resume.
 
 Only plain file operations live here; the state that goes into a checkpoint is in
-engine/checkpoint_state.py and the orchestration in engine/checkpoint.py.
+engine/checkpoint/state.py and the orchestration in engine/checkpoint/manager.py.
 """
 
 from __future__ import annotations

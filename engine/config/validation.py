@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from engine.config_format import toml_value
-from engine.config_sections import CheckpointSection
+from engine.config.toml_format import toml_value
+from engine.config.schema import CheckpointSection
 
 
 def range_problems(cfg) -> list[str]:

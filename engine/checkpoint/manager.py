@@ -9,7 +9,7 @@ A checkpoint (``<run folder>/<checkpoint.folder>/step-N``) holds, through ``dcp.
 - ``rng.rank<r>``: each rank's torch RNG states (restored only under the same world size);
 
 plus ``quadra.json`` (step, tokens, degrees, the config TOML) written last; see
-engine/checkpoint_files.py for the atomic write and engine/checkpoint_state.py for the state dicts.
+engine/checkpoint/files.py for the atomic write and engine/checkpoint/state.py for the state dicts.
 
 On start-up the newest complete checkpoint of the run folder is loaded (or ``checkpoint.load_step``,
 or else ``checkpoint.initial_load_path``). DCP reshards model and optimizer to the current degrees,
@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from engine import checkpoint_files as files
-from engine.checkpoint_files import CheckpointError
-from engine.checkpoint_state import (
+from engine.checkpoint import files
+from engine.checkpoint.files import CheckpointError
+from engine.checkpoint.state import (
     ModelAndOptimizer, changed_settings, first_model_mismatch, optimizer_settings, reapply_lr,
     restore_optimizer_settings, rng_state, saved_model_keys, set_rng_state,
 )

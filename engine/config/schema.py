@@ -161,7 +161,7 @@ class CommSection:
 
 @dataclass
 class CheckpointSection:
-    """``[checkpoint]``: save and resume with torch Distributed Checkpoint (engine/checkpoint.py)."""
+    """``[checkpoint]``: save and resume with torch Distributed Checkpoint (engine/checkpoint/manager.py)."""
 
     enable: bool = _opt(False, "save checkpoints, and resume from the newest complete one at start")
     folder: str = _opt("checkpoint", "checkpoint folder (holds step-N folders), relative to the run folder")

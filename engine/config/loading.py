@@ -3,7 +3,7 @@
 Precedence is command line > TOML file > dataclass default. Keys are strict: an unknown section
 or key, a value of the wrong type, or an enum value outside its allowed set raises
 :class:`ConfigError` with a "did you mean" suggestion or the fix. The sections and their keys are
-defined (with their docs) in :mod:`engine.config_sections`; ``--help`` lists every one of them.
+defined (with their docs) in :mod:`engine.config.schema`; ``--help`` lists every one of them.
 
 Typical use::
 
@@ -28,9 +28,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
-from engine.config_format import cli_value, toml_value
-from engine.config_validation import config_warnings, range_problems
-from engine.config_sections import (  # the section dataclasses, re-exported for type hints
+from engine.config.toml_format import cli_value, toml_value
+from engine.config.validation import config_warnings, range_problems
+from engine.config.schema import (  # the section dataclasses, re-exported for type hints
     ActivationCheckpointSection, CheckpointSection, CommSection, CompileSection, DataSection,
     JobSection, LRSchedulerSection, MetricsSection, ModelSection, OptimizerSection,
     ParallelismSection, TrainingSection, ValidationSection,
