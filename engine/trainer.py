@@ -1,16 +1,17 @@
-"""The training loop: one code path for every layout.
+"""The training loop: build everything once, then per step batch → runner → clip → optimizer → log.
 
 The loss of a step is the token-sum cross entropy over every microbatch on every data-parallel rank,
 divided by the number of label tokens in the whole step (Σ_ranks Σ_microbatches tokens). Each rank
 back-propagates its share ``loss_sum_local / global_tokens`` and data parallel *sums* gradients, so
 the gradient equals the single-process gradient of the same global batch, independent of the number
-of ranks and of gradient accumulation (DESIGN.md rule 7; SEED.md §5's ḡ = (1/W)·Σ gᵢ generalized to
-uneven token counts).
+of ranks and of gradient accumulation (the data-parallel mean of per-rank gradients, Li et al. 2020,
+arXiv 2006.15704, weighted by each rank's tokens). Everything that depends on the parallel layout
+per step lives in engine/runner.py; see docs/architecture.md for the whole data flow.
 """
 
 from __future__ import annotations
 
-import contextlib
+import collections
 import gc
 import logging
 import math
@@ -23,22 +24,25 @@ import torch.distributed as dist
 from engine.checkpoint import CheckpointManager
 from engine.config import JobConfig, config_to_toml
 from engine.data import build_dataloader, build_validation_dataloader
+from engine.data.tokenizer import Tokenizer
 from engine.distributed import init_distributed
+from engine.loss import IGNORE_INDEX
 from engine.lr_scheduler import build_lr_scheduler
 from engine.metrics import MetricsLogger
-from engine.loss import IGNORE_INDEX, token_sum_loss
 from engine.model_builder import build_model_parts
-from models.registry import load_ref
 from engine.optimizer import build_optimizer
-from engine.pipeline_runner import PipelineRunner, plan_model_pipeline
 from engine.preflight import check_setup
+from engine.runner import PipelineRunner, SingleRunner, StepContext
 from engine.signals import StopRequest
-from engine.data.tokenizer import Tokenizer
+from models.registry import load_ref
 from parallelisms.context_parallel import ContextParallel
 from parallelisms.grad_norm import clip_grad_norm_
-from parallelisms.tensor_parallel import loss_parallel_context, to_local
+from parallelisms.pipeline_plan import plan_model_pipeline
 
 logger = logging.getLogger("quadra")
+
+HISTORY_STEPS = 1000  # per-step records kept in memory (all of them are in metrics.jsonl)
+
 
 class TrainingDivergedError(RuntimeError):
     """The loss became NaN or Inf; raised on every rank at the same step."""
@@ -48,13 +52,14 @@ class Trainer:
     """Builds everything from a validated :class:`JobConfig`, then trains ``training.steps`` steps.
 
     Attributes used by callers and tests: ``step`` (completed optimizer steps), ``model_parts``
-    (list of modules; one without pipeline parallel), ``history`` (per-step dicts with loss and
-    grad_norm), ``parallel_dims``, ``dist``, ``tokens_seen`` (label tokens of all completed steps),
-    ``checkpointer`` and ``stopped_by`` (the signal name when SIGTERM/SIGUSR1 ended ``train`` early).
+    (list of modules; one without pipeline parallel), ``runner`` (engine/runner.py), ``history``
+    (the last ``HISTORY_STEPS`` per-step records), ``parallel_dims``, ``dist``, ``tokens_seen``
+    (label tokens of all completed steps), ``checkpointer``, ``stopped_by`` (the signal name when
+    a stop signal ended ``train`` early) and ``stop_saved`` (whether that stop saved a checkpoint).
 
     Raises (from ``__init__``, on every rank, before the model is allocated):
         ValueError and subclasses: bad degrees, tokenizer/model mismatch, seq_len too long,
-        missing or empty dataset, batch sizes that do not divide.
+        missing or empty dataset, batch sizes that do not divide (engine/preflight.py).
     """
 
     def __init__(self, cfg: JobConfig):
@@ -62,93 +67,90 @@ class Trainer:
         self.run_folder = cfg.run_folder
         self.dist = init_distributed(cfg.job.device, cfg.comm.backend, cfg.comm.init_timeout_seconds)
         self.device = self.dist.device
-        # The same checks as the launcher's pre-flight, for ranks started some other way.
+        # The launcher's pre-flight rules once more, for ranks started some other way.
         setup = check_setup(cfg, self.dist.world_size, self.device.type, check_data=False)
         self.parallel_dims, self.model_spec, self.model_args = setup.parallel_dims, setup.model_spec, setup.model_args
-        tokenizer = Tokenizer(cfg.model.tokenizer_path)
+        self.global_batch_size = setup.global_batch_size
         if self.dist.is_distributed:
             self.parallel_dims.build_mesh(self.device.type)
-        self.context_parallel = (
-            ContextParallel(self.parallel_dims.mesh("cp"), cfg.training.seq_len, cfg.parallelism.cp_load_balance)
-            if self.parallel_dims.cp_enabled
-            else None
-        )
+        self.dp_rank = self.parallel_dims.mesh("dp").get_local_rank() if self.dist.is_distributed else 0
+        self.context_parallel = self._build_context_parallel()
         self.pp_plan = self._plan_pipeline()
-        self.dp_rank = self._dp_rank()
-        self._build_data(tokenizer)
+        self.tokenizer = Tokenizer(cfg.model.tokenizer_path)
+        self.dataloader = self._build_dataloader()
+        self.grad_accum_steps = self.dataloader.grad_accum_steps
+        # Built now so that a bad validation.path fails before training.
+        self._val_loader = self._build_validation_loader() if cfg.validation.enable else None
         self.model_parts = self._build_model()
+        self.runner = self._build_runner()
         self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.step = 0
-        self.history: list[dict] = []
-        self.metrics = self._build_metrics()
         self.tokens_seen = 0
+        self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY_STEPS)
+        if self.dist.rank == 0:
+            self._write_run_config()
+        self.metrics = self._build_metrics()
         self.stop_request = StopRequest(self.device, self.dist.is_distributed)
         self.stopped_by: str | None = None
-        self.stop_saved = False  # whether the stop saved a checkpoint
+        self.stop_saved = False
         self.checkpointer = self._build_checkpointer()
         self.checkpointer.load()  # continue where an earlier run of this folder stopped, if it saved
 
     # ------------------------------------------------------------------ building
-    def _dp_rank(self) -> int:
-        return self.parallel_dims.mesh("dp").get_local_rank() if self.dist.is_distributed else 0
+    def _build_context_parallel(self) -> ContextParallel | None:
+        if not self.parallel_dims.cp_enabled:
+            return None
+        return ContextParallel(self.parallel_dims.mesh("cp"), self.cfg.training.seq_len,
+                               self.cfg.parallelism.cp_load_balance)
 
     def _plan_pipeline(self):
-        """Validate pipeline settings before any heavy work; None without pipeline parallel."""
+        """This rank's stages (None without pipeline parallel); the rules ran in check_setup."""
         if not self.parallel_dims.pp_enabled:
             return None
-        return plan_model_pipeline(
-            self.cfg.parallelism, self.model_args, local_batch_size=self.cfg.training.local_batch_size,
-            pp_rank=self.parallel_dims.mesh("pp").get_local_rank(),
-        )
+        return plan_model_pipeline(self.cfg.parallelism, self.model_args, local_batch_size=self.cfg.training.local_batch_size,
+                                   pp_rank=self.parallel_dims.mesh("pp").get_local_rank())
 
-    def _build_data(self, tokenizer: Tokenizer) -> None:
+    def _build_dataloader(self):
         t = self.cfg.training
-        self.dataloader = build_dataloader(
-            self.cfg.data,
-            tokenizer,
-            seq_len=t.seq_len,
-            local_batch_size=t.local_batch_size,
-            global_batch_size=t.global_batch_size,
-            dp_rank=self.dp_rank,
-            dp_degree=self.parallel_dims.dp,
-            seed=t.seed,
-        )
-        self.grad_accum_steps = self.dataloader.grad_accum_steps
-        self.tokenizer = tokenizer
-        self._val_loader = None
-        if self.cfg.validation.enable:  # built now so a bad validation.path fails before training
-            self._build_validation_loader()
+        return build_dataloader(self.cfg.data, self.tokenizer, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
+                                global_batch_size=t.global_batch_size, dp_rank=self.dp_rank,
+                                dp_degree=self.parallel_dims.dp, seed=t.seed)
 
-    def _build_validation_loader(self) -> None:
-        self._val_loader = build_validation_dataloader(
-            self.cfg.validation,
-            self.cfg.data,
-            self.tokenizer,
-            seq_len=self.cfg.training.seq_len,
-            local_batch_size=self.cfg.training.local_batch_size,
-            dp_rank=self.dp_rank,
-            dp_degree=self.parallel_dims.dp,
-        )
+    def _build_validation_loader(self):
+        return build_validation_dataloader(self.cfg.validation, self.cfg.data, self.tokenizer,
+                                           seq_len=self.cfg.training.seq_len,
+                                           local_batch_size=self.cfg.training.local_batch_size,
+                                           dp_rank=self.dp_rank, dp_degree=self.parallel_dims.dp)
 
     def _build_model(self) -> list[torch.nn.Module]:
-        cfg = self.cfg
-        torch.manual_seed(cfg.training.seed)
-        if cfg.training.deterministic:
+        cfg, t = self.cfg, self.cfg.training
+        torch.manual_seed(t.seed)
+        if t.deterministic:
             torch.use_deterministic_algorithms(True)
+        parallelize_fn = load_ref(self.model_spec.parallelize_fn)
         parts, self.nparams, self.flops_per_token = build_model_parts(
-            self.model_spec, self.model_args, plan=self.pp_plan, device=self.device, seed=cfg.training.seed,
-            parallelize=lambda part: load_ref(self.model_spec.parallelize_fn)(
-                part, self.parallel_dims, parallelism_cfg=cfg.parallelism, training_cfg=cfg.training,
-                ac_cfg=cfg.activation_checkpoint, compile_cfg=cfg.compile, backend=self.dist.backend,
+            self.model_spec, self.model_args, plan=self.pp_plan, device=self.device, seed=t.seed,
+            parallelize=lambda part: parallelize_fn(
+                part, self.parallel_dims, parallelism_cfg=cfg.parallelism, ac_cfg=cfg.activation_checkpoint,
+                compile_cfg=cfg.compile, param_dtype=t.mixed_precision_param, reduce_dtype=t.mixed_precision_reduce,
+                context_parallel=self.context_parallel, global_batch_size=self.global_batch_size,
+                backend=self.dist.backend,
             ),
         )
-        self.pipeline = (
-            PipelineRunner(self.pp_plan, parts, self.parallel_dims.mesh("pp"), self.device)
-            if self.pp_plan is not None
-            else None
-        )
         return parts
+
+    def _build_runner(self):
+        dims = self.parallel_dims
+        wrapped = dims.fsdp_enabled or dims.ddp_enabled  # their mixed-precision policy casts instead
+        context = StepContext(
+            self.model_parts, self.device, context_parallel=self.context_parallel,
+            autocast_bf16=self.cfg.training.mixed_precision_param == "bfloat16" and not wrapped,
+            loss_parallel=dims.tp_enabled and self.cfg.parallelism.loss_parallel,
+        )
+        if self.pp_plan is None:
+            return SingleRunner(self.model_parts, context)
+        return PipelineRunner(self.pp_plan, self.model_parts, dims.mesh("pp"), context)
 
     def _build_checkpointer(self) -> CheckpointManager:
         return CheckpointManager(
@@ -158,121 +160,54 @@ class Trainer:
             config_toml=config_to_toml(self.cfg),
         )
 
+    def _write_run_config(self) -> None:
+        """``<run folder>/config.toml``: the merged config of this run (rank 0)."""
+        os.makedirs(self.run_folder, exist_ok=True)
+        with open(os.path.join(self.run_folder, "config.toml"), "w") as f:
+            f.write(config_to_toml(self.cfg))
+        if self.cfg.job.print_config:
+            logger.info("config:\n%s", config_to_toml(self.cfg))
+        logger.info("model %s/%s: %s parameters, %.3g training FLOPs per token; world_size %d %s",
+                    self.cfg.model.name, self.cfg.model.flavor, f"{self.nparams:,}", self.flops_per_token,
+                    self.dist.world_size, self.parallel_dims)
+
     def _build_metrics(self) -> MetricsLogger:
-        is_logging_rank = self.dist.rank == 0
-        if is_logging_rank:
-            os.makedirs(self.run_folder, exist_ok=True)
-            with open(os.path.join(self.run_folder, "config.toml"), "w") as f:
-                f.write(config_to_toml(self.cfg))
-            if self.cfg.job.print_config:
-                logger.info("config:\n%s", config_to_toml(self.cfg))
-            logger.info(
-                "model %s/%s: %s parameters, %.3g training FLOPs per token; world_size %d %s",
-                self.cfg.model.name, self.cfg.model.flavor, f"{self.nparams:,}", self.flops_per_token,
-                self.dist.world_size, self.parallel_dims,
-            )
+        dims = self.parallel_dims
         return MetricsLogger(
-            self.cfg.metrics,
-            self.run_folder,
-            rank=self.dist.rank,
-            is_logging_rank=is_logging_rank,
-            device=self.device,
-            flops_per_token=self.flops_per_token,
-            training_steps=self.cfg.training.steps,
+            self.cfg.metrics, self.run_folder, rank=self.dist.rank, is_logging_rank=self.dist.rank == 0,
+            device=self.device, flops_per_token=self.flops_per_token, training_steps=self.cfg.training.steps,
             # The devices that share one dp rank's samples: tokens/s per device divides by them.
-            devices_per_dp_rank=self.parallel_dims.cp * self.parallel_dims.tp * self.parallel_dims.pp,
+            devices_per_dp_rank=dims.cp * dims.tp * dims.pp,
         )
 
-    # ------------------------------------------------------------------ collectives
+    # ------------------------------------------------------------------ one step
     def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum a tensor over the loss-reduction mesh (dp × cp); identity on one process."""
         if self.dist.is_distributed:
             dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.parallel_dims.mesh("dp_cp").get_group())
         return value
 
-    def _pp_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum over pipeline ranks: brings the last stage's loss to every rank (others hold 0)."""
-        return self.pipeline.sum_over_stages(value) if self.pipeline is not None else value
-
-    def _autocast(self):
-        """bf16 autocast when mixed precision is asked for and no FSDP/DDP policy applies it."""
-        wrapped = self.parallel_dims.fsdp_enabled or self.parallel_dims.ddp_enabled
-        if self.cfg.training.mixed_precision_param == "bfloat16" and not wrapped:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
-    def _cp_shard(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This cp rank's tokens of a [B, S] batch (unchanged without context parallel)."""
-        if self.context_parallel is None:
-            return inputs, labels
-        return self.context_parallel.shard(inputs), self.context_parallel.shard(labels)
-
-    def _cp_context(self):
-        """RoPE rows of this cp rank's positions for the forward and backward (CP), else a no-op."""
-        if self.context_parallel is None:
-            return contextlib.nullcontext()
-        return self.context_parallel.rope_positions(self.model_parts)
-
-    def _loss_context(self):
-        """``loss_parallel()`` when TP leaves the logits sharded on the vocab dim, else a no-op.
-
-        The cross entropy on those logits and its backward must both run inside it; the loss it
-        gives is a Replicate DTensor, which ``to_local`` turns back into the plain value.
-        """
-        return loss_parallel_context(self.parallel_dims.tp_enabled and self.cfg.parallelism.loss_parallel)
-
-    # ------------------------------------------------------------------ one step
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of one microbatch.
-
-        Args:
-            inputs, labels: LongTensor[local_batch_size, seq_len].
-            global_tokens: number of label tokens in the whole step (all dp ranks, all microbatches).
-
-        Returns:
-            This microbatch's contribution to the step loss (detached): token-sum CE / global_tokens.
-        """
-        if self.pipeline is not None:  # the loss is only known on the last stage (0 elsewhere)
-            with self._autocast():
-                return self.pipeline.forward_backward(inputs, labels, global_tokens)
-        with self._autocast():
-            logits = self.model_parts[0](inputs)
-        loss = token_sum_loss(logits, labels, global_tokens)
-        del logits
-        loss.backward()
-        return loss.detach()
-
     def train_step(self) -> dict:
-        """One optimizer step over ``grad_accum_steps`` microbatches; returns loss and grad_norm."""
+        """One optimizer step over ``grad_accum_steps`` microbatches; returns loss, grad_norm and timings."""
         data_start = time.perf_counter()
-        microbatches = [
-            self._cp_shard(*(t.to(self.device, non_blocking=True) for t in self.dataloader.next_batch()))
-            for _ in range(self.grad_accum_steps)
-        ]
+        microbatches = [self.runner.context.shard(*self.dataloader.next_batch()) for _ in range(self.grad_accum_steps)]
         data_seconds = time.perf_counter() - data_start
         local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches)
         global_tokens = self._dp_sum(torch.tensor(float(local_tokens), device=self.device))
 
-        loss = torch.zeros((), device=self.device)
-        if self.pipeline is not None:
-            self.pipeline.timer.reset()
         compute_start = time.perf_counter()
-        for inputs, labels in microbatches:
-            # Around the whole call: the loss and its backward (also inside a pipeline schedule).
-            with self._loss_context(), self._cp_context():
-                loss += to_local(self.forward_backward(inputs, labels, global_tokens))
+        loss = self.runner.step(microbatches, global_tokens)
         compute_seconds = time.perf_counter() - compute_start
         params = [p for part in self.model_parts for p in part.parameters()]
-        pp_group = self.pipeline.group if self.pipeline is not None else None
-        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_group=pp_group)
+        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_group=self.runner.pp_group)
         lr = self.lr_scheduler.get_last_lr()[0]
         self.optimizer.step()
-        model_metrics = self._post_optimizer_step()
+        model_metrics = self.runner.post_optimizer_step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
 
-        loss = self._pp_sum(self._dp_sum(loss)).item()
+        loss = self.runner.sum_over_stages(self._dp_sum(loss)).item()
         grad_norm = grad_norm.item()
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             clip = "" if self.cfg.training.max_norm > 0 else ", or set training.max_norm to clip gradients"
@@ -280,63 +215,29 @@ class Trainer:
                 f"loss is {loss} (grad_norm {grad_norm}) at step {self.step}: training diverged. Lower "
                 f"optimizer.lr or raise lr_scheduler.warmup_steps{clip}."
             )
-        record = {
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "tokens": local_tokens,
-            "global_tokens": int(global_tokens.item()),
-            "data_seconds": data_seconds,
-            "epoch": self.dataloader.epoch,
-            "model_metrics": model_metrics,
-        }
-        if self.pipeline is not None:
-            # Share of the forward/backward time this rank spent idle (waiting on other stages).
-            busy = self.pipeline.timer.busy_seconds()
-            record["pp_bubble_fraction"] = max(0.0, 1.0 - busy / compute_seconds)
+        record = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": local_tokens,
+                  "global_tokens": int(global_tokens.item()), "data_seconds": data_seconds,
+                  "epoch": self.dataloader.epoch, "model_metrics": model_metrics}
+        if isinstance(self.runner, PipelineRunner):
+            record["pp_bubble_fraction"] = self.runner.bubble_fraction(compute_seconds)
         return record
-
-    def _post_optimizer_step(self) -> dict[str, float]:
-        """Let model parts update state the optimizer does not own (e.g. MoE load-balancing biases).
-
-        A part may define ``post_optimizer_step()`` returning its metrics of the step as
-        ``{name: (0-dim tensor, "sum" | "min" | "max")}``; they are merged over this rank's parts and
-        the pipeline ranks with that operation, so every rank logs the whole model's value.
-        """
-        merged: dict[str, tuple[torch.Tensor, str]] = {}
-        combine = {"sum": torch.add, "min": torch.minimum, "max": torch.maximum}
-        for part in self.model_parts:
-            metrics = part.post_optimizer_step() if hasattr(part, "post_optimizer_step") else {}
-            for name, (value, op) in metrics.items():
-                value = value.detach().to(self.device, torch.float64)
-                merged[name] = (combine[op](merged[name][0], value) if name in merged else value, op)
-        if self.pipeline is not None:  # every stage reports the same names, in the same order
-            for value, op in merged.values():
-                dist.all_reduce(value, op=getattr(dist.ReduceOp, op.upper()), group=self.pipeline.group)
-        return {name: value.item() for name, (value, _) in merged.items()}
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def validate(self) -> float:
         """Mean token loss (nats) over ``validation.steps`` batches of the validation split."""
         if self._val_loader is None:  # each iteration of the loader restarts the split
-            self._build_validation_loader()
+            self._val_loader = self._build_validation_loader()
         for part in self.model_parts:
             part.eval()
-        # [loss sum, label tokens]; with PP only the last stage counts, and _pp_sum shares it.
-        totals = torch.zeros(2, device=self.device, dtype=torch.float64)
+        totals = torch.zeros(2, device=self.device, dtype=torch.float64)  # [loss sum, label tokens]
         for inputs, labels in self._val_loader:
-            inputs, labels = self._cp_shard(inputs.to(self.device), labels.to(self.device))
-            with self._autocast(), self._loss_context(), self._cp_context():
-                if self.pipeline is None:
-                    totals[0] += to_local(token_sum_loss(self.model_parts[0](inputs), labels)).double()
-                else:
-                    totals[0] += self.pipeline.evaluate(inputs, labels)
-            if self.pipeline is None or self.pipeline.has_last:
-                totals[1] += (labels != IGNORE_INDEX).sum()
+            loss, tokens = self.runner.evaluate(*self.runner.context.shard(inputs, labels))
+            totals[0] += loss
+            totals[1] += tokens
         for part in self.model_parts:
             part.train()
-        self._pp_sum(self._dp_sum(totals))
+        self.runner.sum_over_stages(self._dp_sum(totals))
         return float(totals[0] / totals[1].clamp_min(1))
 
     # ------------------------------------------------------------------ checkpointed state
@@ -350,7 +251,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def train(self, steps: int | None = None) -> list[dict]:
-        """Run until ``training.steps`` (or ``steps`` more steps); returns the per-step history."""
+        """Run until ``training.steps`` (or ``steps`` more steps); returns the per-step records kept
+        in ``history`` (the last ``HISTORY_STEPS``; metrics.jsonl has every logged step)."""
         last = self.cfg.training.steps if steps is None else self.step + steps
         gc_freq = self.cfg.training.gc_freq
         if gc_freq > 0:
@@ -385,7 +287,7 @@ class Trainer:
         finally:
             if gc_freq > 0:
                 gc.enable()
-        return self.history
+        return list(self.history)
 
     def close(self) -> None:
         """Finish a checkpoint in flight, restore signal handlers, close the metrics files."""

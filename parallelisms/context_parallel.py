@@ -1,7 +1,7 @@
 """Context parallel: every sequence is split over the ``cp`` sub-mesh; attention sees all of it.
 
-Activation memory per rank falls by cp because each rank holds seq_len / cp tokens (SEED.md §11).
-Two pieces, following the plan order of DESIGN.md rule 2:
+Activation memory per rank falls by cp because each rank holds seq_len / cp tokens (ring attention:
+Liu et al. 2023, arXiv 2310.01889). Two pieces:
 
 - :func:`apply_cp` (at parallelize time) gives each attention module a context-parallel attention
   function bound to the cp group (ring or all-gather, :mod:`parallelisms.ring_attention`).
@@ -43,12 +43,12 @@ def cp_positions(seq_len: int, cp: int, load_balance: bool) -> torch.Tensor:
     return torch.stack([torch.cat([chunks[i], chunks[parts - 1 - i]]) for i in range(cp)])
 
 
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, seq_len: int, load_balance: bool, rotate_method: str) -> int:
+def apply_cp(model: nn.Module, context_parallel: "ContextParallel", *, rotate_method: str) -> int:
     """Bind every attention module of ``model`` (those with an ``attention_fn`` slot) to
-    context-parallel attention over ``cp_mesh``; returns how many were bound."""
-    positions = cp_positions(seq_len, cp_mesh.size(), load_balance)
+    context-parallel attention over ``context_parallel``'s cp group and positions; returns how many
+    were bound."""
     method = ring_attention if rotate_method == "ring" else allgather_attention
-    fn = _CPAttention(method, positions, cp_mesh)
+    fn = _CPAttention(method, context_parallel.positions, context_parallel.mesh)
     bound = 0
     for module in model.modules():
         if hasattr(module, "attention_fn"):
@@ -69,14 +69,20 @@ class _CPAttention:
 
 
 class ContextParallel:
-    """Per-step sharding of inputs, labels and RoPE tables for this cp rank.
+    """The cp layout of a run, built once: every rank's token positions (for the attention of
+    :func:`apply_cp`) and this rank's per-step sharding of inputs, labels and RoPE tables.
 
     Args:
         cp_mesh: the cp sub-mesh; seq_len: full sequence length (tokens); load_balance: head-tail split.
+
+    Attributes:
+        positions: LongTensor[cp, seq_len / cp], see :func:`cp_positions`; local_positions: this rank's row.
     """
 
     def __init__(self, cp_mesh: DeviceMesh, seq_len: int, load_balance: bool):
-        self.local_positions = cp_positions(seq_len, cp_mesh.size(), load_balance)[cp_mesh.get_local_rank()]
+        self.mesh = cp_mesh
+        self.positions = cp_positions(seq_len, cp_mesh.size(), load_balance)
+        self.local_positions = self.positions[cp_mesh.get_local_rank()]
 
     def shard(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's tokens of ``tensor`` along ``dim`` (e.g. [B, S] -> [B, S/cp])."""

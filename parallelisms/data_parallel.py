@@ -1,6 +1,7 @@
 """Data parallelism over a sub-mesh: FSDP2 (ZeRO-3), HSDP, and DDP — all through torch's FSDP2 code.
 
-SEED.md §5 and §10. FSDP2 (``fully_shard``) shards every parameter, gradient and optimizer state
+ZeRO stage 3 (Rajbhandari et al. 2020, arXiv 1910.02054) as PyTorch FSDP (Zhao et al. 2023, arXiv
+2304.11277). FSDP2 (``fully_shard``) shards every parameter, gradient and optimizer state
 over the sharding mesh: per block, forward all-gathers the weights, computes and frees them; backward
 all-gathers again and reduce-scatters the gradients. HSDP uses a 2-D mesh (replicate, shard): shards
 within a group, all-reduces across groups. DDP is torch's FSDP2-based ``replicate`` (one replica per
@@ -19,6 +20,46 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 _RESHARD_CHOICES = ("default", "always", "never")
+# ``training.mixed_precision_param`` / ``mixed_precision_reduce`` -> the dtype FSDP2 / DDP use.
+MIXED_PRECISION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def mixed_precision_policy(param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:
+    """FSDP2's policy for the config's dtype names ("float32" / "bfloat16"): compute parameters in
+    ``param_dtype``, reduce gradients in ``reduce_dtype``; the sharded fp32 master weights stay."""
+    return MixedPrecisionPolicy(param_dtype=MIXED_PRECISION_DTYPES[param_dtype],
+                                reduce_dtype=MIXED_PRECISION_DTYPES[reduce_dtype])
+
+
+def reshard_setting(setting: str, pp_enabled: bool) -> str:
+    """``parallelism.fsdp_reshard_after_forward`` as applied: under pipeline parallel a stage runs
+    several microbatches back to back, and re-gathering its weights for each costs more than keeping
+    them, so "default" means "never" there.
+
+    Raises:
+        ValueError: an unknown setting.
+    """
+    if setting not in _RESHARD_CHOICES:
+        raise ValueError(
+            f"parallelism.fsdp_reshard_after_forward = {setting!r}: choose one of {', '.join(_RESHARD_CHOICES)}."
+        )
+    return "never" if pp_enabled and setting == "default" else setting
+
+
+def shard_module(module: nn.Module, mesh: DeviceMesh, policy: MixedPrecisionPolicy, *, reshard: bool,
+                 backend: str, shard_placement_fn=None) -> None:
+    """One FSDP2 unit: ``fully_shard`` with gradients *summed* over ``mesh`` (see the module
+    docstring), the one place every plan (blocks, root, MoE experts) shards through.
+
+    Args:
+        module: the unit's module; mesh: 1-D (FSDP) or 2-D (replicate, shard) mesh (HSDP).
+        policy: from :func:`mixed_precision_policy`; reshard: free gathered weights after forward.
+        backend: process-group backend (gloo needs a forced-sum reduction).
+        shard_placement_fn: FSDP2's per-parameter placement (default: Shard(0)).
+    """
+    fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard,
+                shard_placement_fn=shard_placement_fn)
+    _sum_gradients(module, backend)
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
@@ -32,8 +73,8 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 def _sum_gradients(module: nn.Module, backend: str) -> None:
     """Make every FSDP unit below ``module`` reduce gradients with SUM (divide factor 1).
 
-    gloo rejects ``ReduceOp.PREMUL_SUM``, which FSDP2 uses for a custom divide factor, so on gloo
-    the reduction is forced to a plain sum (torch-cpu-facts.md).
+    gloo rejects ``ReduceOp.PREMUL_SUM`` ("Cannot use ReduceOp.PREMUL_SUM with Gloo"), which FSDP2
+    uses for a custom divide factor, so on gloo the reduction is forced to a plain sum.
     """
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
@@ -46,8 +87,8 @@ def apply_fsdp(
     model: nn.Module,
     dp_mesh: DeviceMesh,
     *,
-    param_dtype: torch.dtype,
-    reduce_dtype: torch.dtype,
+    param_dtype: str = "float32",
+    reduce_dtype: str = "float32",
     reshard_after_forward: str = "default",
     backend: str = "gloo",
 ) -> None:
@@ -56,51 +97,47 @@ def apply_fsdp(
     Args:
         model: the model (or pipeline stage); parameters may be on the meta device.
         dp_mesh: 1-D sharding mesh (FSDP) or 2-D (replicate, shard) mesh (HSDP).
-        param_dtype / reduce_dtype: ``MixedPrecisionPolicy`` dtypes for unsharded compute
+        param_dtype / reduce_dtype: dtype names ("float32", "bfloat16") for unsharded compute
             parameters and for gradient reduction (fp32 master weights stay in the sharded params).
         reshard_after_forward: ``default`` frees gathered weights after each block's forward except
             the last block (backward needs it at once), ``always`` frees all (least memory),
-            ``never`` keeps them gathered until backward (ZeRO-2-like, fewer all-gathers).
+            ``never`` keeps them gathered until backward (ZeRO-2-like, fewer all-gathers); see
+            :func:`reshard_setting` for pipeline parallel.
         backend: process-group backend; gloo needs forced-sum gradient reduction.
 
     Raises:
         ValueError: an unknown ``reshard_after_forward``.
     """
-    if reshard_after_forward not in _RESHARD_CHOICES:
-        raise ValueError(
-            f"parallelism.fsdp_reshard_after_forward = {reshard_after_forward!r}: choose one of "
-            f"{', '.join(_RESHARD_CHOICES)}."
-        )
-    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    reshard_setting(reshard_after_forward, pp_enabled=False)  # refuses unknown values
+    policy = mixed_precision_policy(param_dtype, reduce_dtype)
     blocks = _blocks(model)
     for index, block in enumerate(blocks):
         if reshard_after_forward == "default":
             reshard = index < len(blocks) - 1
         else:
             reshard = reshard_after_forward == "always"
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+        shard_module(block, dp_mesh, policy, reshard=reshard, backend=backend)
     # The root unit holds embeddings, final norm and output head; backward needs them right away.
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward == "always")
-    _sum_gradients(model, backend)
+    shard_module(model, dp_mesh, policy, reshard=reshard_after_forward == "always", backend=backend)
 
 
 def apply_ddp(
     model: nn.Module,
     dp_mesh: DeviceMesh,
     *,
-    param_dtype: torch.dtype,
-    reduce_dtype: torch.dtype,
+    param_dtype: str = "float32",
+    reduce_dtype: str = "float32",
     backend: str = "gloo",
 ) -> None:
     """Replicate ``model`` over ``dp_mesh`` (DDP): full parameters per rank, gradients all-reduced.
 
     Uses torch's FSDP2-based ``replicate`` so mixed precision and the sum reduction work as for FSDP.
     Each block is its own unit so gradient all-reduce of late blocks overlaps backward of early ones
-    (DDP's bucketing, SEED.md §5).
+    (the gradient bucketing of PyTorch DDP, Li et al. 2020, arXiv 2006.15704).
     """
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
-    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    mp_policy = mixed_precision_policy(param_dtype, reduce_dtype)
     for block in _blocks(model):
         replicate(block, mesh=dp_mesh, mp_policy=mp_policy)
     replicate(model, mesh=dp_mesh, mp_policy=mp_policy)

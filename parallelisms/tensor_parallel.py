@@ -23,12 +23,13 @@ import contextlib
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 
 from parallelisms.checks import TensorParallelError, validate_tensor_parallel  # start-up rules, torch-free
 
 __all__ = [
+    "ReplicateOnTP",
     "TensorParallelError",
     "apply_tensor_parallel",
     "enable_async_tp",
@@ -61,6 +62,25 @@ def apply_tensor_parallel(
     if tp_mesh.ndim != 1:
         raise ValueError(f"tensor parallel needs a 1-D tp mesh, got {tp_mesh.ndim} dims {tp_mesh.mesh_dim_names}")
     return parallelize_module(module, tp_mesh, plan)
+
+
+class ReplicateOnTP(ParallelStyle):
+    """Parameters become Replicate DTensors on the tp mesh; the module computes on local tensors.
+
+    For modules that every tp rank runs on the same tokens (e.g. an MoE router): their gradients
+    are then equal on every tp rank (Replicate is their true placement) and nothing is
+    communicated. DTensors rather than plain tensors so that gradient clipping and the optimizer's
+    foreach kernels see one kind of tensor next to tensor parallel's.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def to_dtensor(_, inputs, mesh):
+            return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False) for t in inputs)
+
+        def to_local_output(_, output, mesh):
+            return output.to_local()
+
+        return distribute_module(module, device_mesh, input_fn=to_dtensor, output_fn=to_local_output)
 
 
 def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager:

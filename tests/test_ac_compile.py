@@ -30,9 +30,10 @@ def test_activation_checkpointing_with_fsdp(reference, tmp_path):
 def _recomputed_blocks(mode: str, option: str) -> int:
 
     from models import get_model_args, get_model_spec
+    from models.registry import load_ref
     from parallelisms.activation_checkpoint import apply_activation_checkpointing
 
-    model = get_model_spec("llama").model_cls(get_model_args("llama", "debugmodel"))
+    model = load_ref(get_model_spec("llama").model_cls)(get_model_args("llama", "debugmodel"))
     return apply_activation_checkpointing(model, mode, option)
 
 

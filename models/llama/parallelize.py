@@ -1,6 +1,6 @@
 """The LLaMA parallelization plan: which parallelism wraps which module, in a fixed order.
 
-Order (DESIGN.md rule 2): TP → EP → CP → activation checkpointing → compile → FSDP/HSDP or DDP.
+Order: TP → EP → CP → activation checkpointing → compile → FSDP/HSDP or DDP (as in TorchTitan).
 Tensor parallel comes first because it swaps parameters for DTensors on the ``tp`` mesh, which every
 later wrapper must see: activation checkpointing and compile wrap the already-sharded blocks, and
 FSDP, always last, must see the final module structure (wrapped, compiled blocks) to place its
@@ -12,7 +12,6 @@ The TP plan is Megatron-LM's (arXiv 1909.08053) with sequence parallel (arXiv 22
 
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -26,8 +25,8 @@ from torch.distributed.tensor.parallel import (
 from models.llama.model import FeedForward
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import apply_compile
-from parallelisms.context_parallel import apply_cp
-from parallelisms.data_parallel import apply_ddp, apply_fsdp
+from parallelisms.context_parallel import ContextParallel, apply_cp
+from parallelisms.data_parallel import apply_ddp, apply_fsdp, reshard_setting
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import (
     apply_tensor_parallel,
@@ -35,18 +34,19 @@ from parallelisms.tensor_parallel import (
     wait_async_output,
 )
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 def parallelize_llama(
     model: nn.Module,
     parallel_dims: ParallelDims,
     *,
     parallelism_cfg,
-    training_cfg,
     ac_cfg,
     compile_cfg,
-    backend: str | None,
+    param_dtype: str = "float32",
+    reduce_dtype: str = "float32",
+    context_parallel: ContextParallel | None = None,
+    global_batch_size: int = 0,
+    backend: str | None = None,
 ) -> nn.Module:
     """Apply the configured parallelisms to ``model`` (a full model or one pipeline stage) in place.
 
@@ -54,9 +54,11 @@ def parallelize_llama(
         model: LLaMA ``Transformer`` on the meta device (or any device).
         parallel_dims: validated degrees with the mesh built (when world_size > 1).
         parallelism_cfg: ``[parallelism]`` (sequence_parallel, loss_parallel, async_tp,
-            fsdp_reshard_after_forward).
-        training_cfg: ``[training]`` (mixed_precision_param, mixed_precision_reduce).
+            fsdp_reshard_after_forward, cp_rotate_method).
         ac_cfg: ``[activation_checkpoint]``; compile_cfg: ``[compile]``.
+        param_dtype, reduce_dtype: ``training.mixed_precision_param`` / ``_reduce`` ("float32", "bfloat16").
+        context_parallel: the run's cp layout when ``cp > 1`` (its positions bind the attention).
+        global_batch_size: sequences per optimizer step (unused by the dense model; see the MoE plan).
         backend: process-group backend ("gloo", "nccl") or None for one process.
 
     Returns:
@@ -75,20 +77,12 @@ def parallelize_llama(
             wait_async_output(model.tok_embeddings)  # its output is the first compiled block's input
     if parallel_dims.cp_enabled:
         # Attention over the whole cp-split sequence; inputs, labels and RoPE rows are sharded per
-        # step by the trainer (parallelisms.context_parallel.ContextParallel).
-        apply_cp(
-            model,
-            parallel_dims.mesh("cp"),
-            seq_len=training_cfg.seq_len,
-            load_balance=parallelism_cfg.cp_load_balance,
-            rotate_method=parallelism_cfg.cp_rotate_method,
-        )
+        # step by the runner (engine/runner.py) with the same ContextParallel.
+        apply_cp(model, context_parallel, rotate_method=parallelism_cfg.cp_rotate_method)
     apply_activation_checkpointing(model, ac_cfg.mode, ac_cfg.selective_ac_option)
     if compile_cfg.enable:
         apply_compile(model, backend=compile_cfg.backend)
 
-    param_dtype = DTYPES[training_cfg.mixed_precision_param]
-    reduce_dtype = DTYPES[training_cfg.mixed_precision_reduce]
     if parallel_dims.fsdp_enabled:
         # HSDP: shard within dp_shard, replicate across dp_replicate.
         mesh_name = "hsdp" if parallel_dims.dp_replicate_enabled else "dp_shard_cp"
@@ -97,13 +91,8 @@ def parallelize_llama(
             parallel_dims.mesh(mesh_name),
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,
-            # With PP each stage runs several microbatches back to back: re-gathering weights for
-            # every one of them costs more than keeping them, so "default" means "never" there.
-            reshard_after_forward=(
-                "never"
-                if parallel_dims.pp_enabled and parallelism_cfg.fsdp_reshard_after_forward == "default"
-                else parallelism_cfg.fsdp_reshard_after_forward
-            ),
+            reshard_after_forward=reshard_setting(parallelism_cfg.fsdp_reshard_after_forward,
+                                                  parallel_dims.pp_enabled),
             backend=backend or "gloo",
         )
     elif parallel_dims.ddp_enabled:

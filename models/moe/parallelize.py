@@ -1,6 +1,6 @@
 """The MoE parallelization plan: expert parallel for the routed experts, LLaMA's plan for the rest.
 
-Order (DESIGN.md rule 2): TP → EP → CP → activation checkpointing → compile → FSDP/HSDP. An MoE
+Order: TP → EP → CP → activation checkpointing → compile → FSDP/HSDP. An MoE
 model is a LLaMA model whose MoE blocks differ only in the feed-forward, so after the MoE-specific
 steps below this calls :func:`models.llama.parallelize.parallelize_llama`, which applies TP, CP,
 activation checkpointing, compile and FSDP to everything else:
@@ -20,7 +20,7 @@ activation checkpointing, compile and FSDP to everything else:
    gradients summed only over the ranks holding the same experts. The parent block's FSDP unit then
    skips them. Gradients come out exact, not ep times too large: the all-to-all backward brings each
    expert the gradient of every token routed to it, and FSDP *sums* over the other groups (the
-   trainer's loss is already divided by the global token count; ``set_gradient_divide_factor(1)``).
+   trainer's loss is already divided by the global token count; parallelisms/data_parallel.py).
 
 The model also learns two things it cannot know on its own: which ranks see different tokens
 (``token_group``, for the global routing counts) and how many sequences an optimizer step has (to
@@ -30,23 +30,22 @@ make the balance loss a per-sequence mean independent of the layout).
 from __future__ import annotations
 
 import torch.nn as nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    ParallelStyle,
     PrepareModuleInputOutput,
     RowwiseParallel,
     parallelize_module,
 )
 
-from models.llama.parallelize import DTYPES, parallelize_llama
+from models.llama.parallelize import parallelize_llama
+from parallelisms.data_parallel import mixed_precision_policy, reshard_setting, shard_module
 from parallelisms.expert_parallel import ExpertParallel
 from parallelisms.parallel_dims import ParallelDims
+from parallelisms.tensor_parallel import ReplicateOnTP
 
-__all__ = ["parallelize_moe", "validate_moe_parallelism"]
+__all__ = ["parallelize_moe"]
 
 
 def parallelize_moe(
@@ -54,25 +53,25 @@ def parallelize_moe(
     parallel_dims: ParallelDims,
     *,
     parallelism_cfg,
-    training_cfg,
     ac_cfg,
     compile_cfg,
-    backend: str | None,
+    param_dtype: str = "float32",
+    reduce_dtype: str = "float32",
+    context_parallel=None,
+    global_batch_size: int,
+    backend: str | None = None,
 ) -> nn.Module:
     """Apply the configured parallelisms to an ``MoETransformer`` (or a pipeline stage) in place.
 
-    Args: as :func:`parallelize_llama`; ``training_cfg`` also gives the sequences per optimizer
-    step (``global_batch_size``, or ``local_batch_size`` × dp when it is -1).
+    Args: as :func:`models.llama.parallelize.parallelize_llama`; ``global_batch_size`` (sequences
+    per optimizer step, resolved by engine/data/batch_sizes.py) scales the balance loss.
 
     Returns:
         The same module, parallelized.
     """
-    sequences = training_cfg.global_batch_size
-    if sequences <= 0:
-        sequences = training_cfg.local_batch_size * parallel_dims.dp
     # Context parallel splits each sequence into cp pieces, and the balance loss (like a capacity)
     # is then taken per piece: a mean over pieces keeps it near 1 when routing is balanced.
-    model.set_aux_loss_scale(sequences * parallel_dims.cp)
+    model.set_aux_loss_scale(global_batch_size * parallel_dims.cp)
     if parallel_dims.mesh_built:
         model.token_group = parallel_dims.mesh("dp_cp").get_group()
     if parallel_dims.tp_enabled:
@@ -83,30 +82,12 @@ def parallelize_moe(
         for moe in model.moe_layers():
             parallelize_module(moe.experts, ep_mesh, ExpertParallel())
         if parallel_dims.fsdp_enabled:  # always true with ep > 1: ep divides dp_shard × cp
-            _shard_experts(model, parallel_dims, parallelism_cfg, training_cfg)
+            _shard_experts(model, parallel_dims, parallelism_cfg, param_dtype, reduce_dtype, backend or "gloo")
     return parallelize_llama(
-        model, parallel_dims, parallelism_cfg=parallelism_cfg, training_cfg=training_cfg,
-        ac_cfg=ac_cfg, compile_cfg=compile_cfg, backend=backend,
+        model, parallel_dims, parallelism_cfg=parallelism_cfg, ac_cfg=ac_cfg, compile_cfg=compile_cfg,
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, context_parallel=context_parallel,
+        global_batch_size=global_batch_size, backend=backend,
     )
-
-
-class _ReplicateOnTP(ParallelStyle):
-    """Parameters become Replicate DTensors on the tp mesh; the module computes on local tensors.
-
-    Used where every tp rank runs the same computation on the same tokens: the gradients are then
-    equal on every tp rank (Replicate is their true placement) and nothing is communicated.
-    DTensors rather than plain tensors so that the optimizer's foreach kernels see one kind of
-    tensor next to tensor parallel's.
-    """
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def to_dtensor(_, inputs, mesh):
-            return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False) for t in inputs)
-
-        def to_local(_, output, mesh):
-            return output.to_local()
-
-        return distribute_module(module, device_mesh, input_fn=to_dtensor, output_fn=to_local)
 
 
 def _apply_tp_moe(moe: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, ep_enabled: bool) -> None:
@@ -116,7 +97,7 @@ def _apply_tp_moe(moe: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, 
         input_layouts=(stream,), desired_input_layouts=(Replicate(),), use_local_input=True,
         output_layouts=(Replicate(),), desired_output_layouts=(stream,), use_local_output=True,
     ))
-    parallelize_module(moe.router.gate, tp_mesh, _ReplicateOnTP())
+    parallelize_module(moe.router.gate, tp_mesh, ReplicateOnTP())
     if moe.shared_experts is not None:
         parallelize_module(moe.shared_experts, tp_mesh, {
             "w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel(output_layouts=Replicate()),
@@ -125,17 +106,14 @@ def _apply_tp_moe(moe: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, 
         distribute_module(moe.experts, tp_mesh)
 
 
-def _shard_experts(model: nn.Module, parallel_dims: ParallelDims, parallelism_cfg, training_cfg) -> None:
+def _shard_experts(model: nn.Module, parallel_dims: ParallelDims, parallelism_cfg, param_dtype: str,
+                   reduce_dtype: str, backend: str) -> None:
     """FSDP (HSDP with dp_replicate) of each expert-parallel experts module over the non-ep ranks."""
     mesh = parallel_dims.mesh("ep_hsdp" if parallel_dims.dp_replicate_enabled else "dp_shard_mod_ep")
     shard_size = parallel_dims.mesh("dp_shard_mod_ep").size()
-    mp_policy = MixedPrecisionPolicy(
-        param_dtype=DTYPES[training_cfg.mixed_precision_param],
-        reduce_dtype=DTYPES[training_cfg.mixed_precision_reduce],
-    )
-    choice = parallelism_cfg.fsdp_reshard_after_forward
-    # As for the blocks: under PP keep gathered weights across microbatches unless told otherwise.
-    reshard = choice == "always" or (choice == "default" and not parallel_dims.pp_enabled)
+    policy = mixed_precision_policy(param_dtype, reduce_dtype)
+    # As for the blocks ("default": free after forward, but keep them across microbatches under PP).
+    reshard = reshard_setting(parallelism_cfg.fsdp_reshard_after_forward, parallel_dims.pp_enabled) != "never"
     for moe in model.moe_layers():
         local_experts = moe.experts.w1.to_local().shape[0]
 
@@ -145,9 +123,4 @@ def _shard_experts(model: nn.Module, parallel_dims: ParallelDims, parallelism_cf
                 return Shard(1)
             return Shard(0)
 
-        fully_shard(moe.experts, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard,
-                    shard_placement_fn=placement)
-    # Gradient sum (divide factor 1) and gloo's forced sum are set by apply_fsdp on every FSDP unit
-    # below the model, these included.
-
-
+        shard_module(moe.experts, mesh, policy, reshard=reshard, backend=backend, shard_placement_fn=placement)

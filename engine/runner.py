@@ -1,0 +1,210 @@
+"""The per-step seam between the trainer and the parallel layout: one step context and two runners.
+
+The trainer never branches on the parallel style (the shape of OLMo-core's train modules):
+
+- :class:`StepContext` holds what every step needs from the layout, built once: the context-parallel
+  sharding of inputs and labels and the RoPE rows of this rank's positions, bf16 autocast (when no
+  FSDP/DDP mixed-precision policy applies it), and tensor parallel's ``loss_parallel``.
+- :class:`SingleRunner` (the whole model as one part) and :class:`PipelineRunner` (this rank's
+  pipeline stages, driven by a ``torch.distributed.pipelining`` schedule) own the forward/backward
+  of the step's microbatches, evaluation, the sum of the loss over pipeline stages and the
+  post-optimizer hooks of the model parts.
+
+The loss of a microbatch is its token-sum cross entropy divided by the step's global label-token
+count (engine/loss.py), so the summed contributions are the step's mean token loss, independent of
+the layout and of gradient accumulation. With pipeline parallel only the last stage sees it; the sum
+over the pp group makes every rank log the true loss, never a placeholder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from engine.loss import IGNORE_INDEX, token_sum_loss
+from parallelisms.context_parallel import ContextParallel
+from parallelisms.pipeline import PipelinePlan, build_pipeline_schedule
+from parallelisms.pipeline_timing import StageBusyTimer
+from parallelisms.tensor_parallel import loss_parallel_context, to_local
+
+
+class StepContext:
+    """What a step needs from the layout, built once per run.
+
+    Args:
+        model_parts: this rank's model parts (their RoPE tables are swapped under context parallel).
+        device: this rank's device.
+        context_parallel: the run's cp layout, or None without context parallel.
+        autocast_bf16: run forward under bf16 autocast (mixed precision without an FSDP/DDP policy).
+        loss_parallel: tensor parallel leaves the logits sharded on the vocabulary dim.
+    """
+
+    def __init__(self, model_parts: list[nn.Module], device: torch.device, *,
+                 context_parallel: ContextParallel | None, autocast_bf16: bool, loss_parallel: bool):
+        self.model_parts = model_parts
+        self.device = device
+        self.context_parallel = context_parallel
+        self.autocast_bf16 = autocast_bf16
+        self.loss_parallel = loss_parallel
+
+    def shard(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's tokens of LongTensor[B, S] inputs and labels: [B, S / cp] under context
+        parallel, unchanged otherwise; moved to the device."""
+        inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+        if self.context_parallel is None:
+            return inputs, labels
+        return self.context_parallel.shard(inputs), self.context_parallel.shard(labels)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 autocast for the forward, or a no-op."""
+        if self.autocast_bf16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def loss_and_positions(self):
+        """Around a microbatch's forward, loss and backward: ``loss_parallel()`` when the logits are
+        vocab-sharded (its loss is a Replicate DTensor, see ``to_local``), and the RoPE rows of this
+        cp rank's positions."""
+        cp = self.context_parallel.rope_positions(self.model_parts) if self.context_parallel else contextlib.nullcontext()
+        with loss_parallel_context(self.loss_parallel), cp:
+            yield
+
+
+class _Runner:
+    """What both runners share: the step loop over microbatches and the post-optimizer hooks."""
+
+    pp_group = None  # the pipeline group (gradient norms and metrics are summed over it)
+
+    def __init__(self, model_parts: list[nn.Module], context: StepContext):
+        self.model_parts = model_parts
+        self.context = context
+
+    def forward_backward(self, inputs, labels, global_tokens):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], global_tokens: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of every microbatch of a step (gradients accumulate).
+
+        Args:
+            microbatches: this rank's (inputs, labels), LongTensor[local_batch_size, S / cp] each.
+            global_tokens: label tokens of the whole step (all dp ranks, all microbatches).
+
+        Returns:
+            This rank's share of the step loss (detached; 0 on pipeline ranks without the last stage).
+        """
+        loss = torch.zeros((), device=self.context.device)
+        for inputs, labels in microbatches:
+            with self.context.loss_and_positions():
+                loss += to_local(self.forward_backward(inputs, labels, global_tokens))
+        return loss
+
+    def sum_over_stages(self, value: torch.Tensor) -> torch.Tensor:
+        """Identity without pipeline parallel (see :class:`PipelineRunner`)."""
+        return value
+
+    def post_optimizer_step(self) -> dict[str, float]:
+        """Let model parts update state the optimizer does not own (e.g. MoE load-balancing biases).
+
+        A part may define ``post_optimizer_step()`` returning its metrics of the step as
+        ``{name: (0-dim tensor, "sum" | "min" | "max")}``; they are merged over this rank's parts and
+        the pipeline ranks with that operation, so every rank logs the whole model's value.
+        """
+        merged: dict[str, tuple[torch.Tensor, str]] = {}
+        combine = {"sum": torch.add, "min": torch.minimum, "max": torch.maximum}
+        for part in self.model_parts:
+            metrics = part.post_optimizer_step() if hasattr(part, "post_optimizer_step") else {}
+            for name, (value, op) in metrics.items():
+                value = value.detach().to(self.context.device, torch.float64)
+                merged[name] = (combine[op](merged[name][0], value) if name in merged else value, op)
+        if self.pp_group is not None:  # every stage reports the same names, in the same order
+            for value, op in merged.values():
+                dist.all_reduce(value, op=getattr(dist.ReduceOp, op.upper()), group=self.pp_group)
+        return {name: value.item() for name, (value, _) in merged.items()}
+
+
+class SingleRunner(_Runner):
+    """The whole model as one part (every layout without pipeline parallel)."""
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor) -> torch.Tensor:
+        """One microbatch: LongTensor[B, S] inputs/labels -> its loss contribution (detached)."""
+        with self.context.autocast():
+            logits = self.model_parts[0](inputs)
+        loss = token_sum_loss(logits, labels, global_tokens)
+        del logits
+        loss.backward()
+        return loss.detach()
+
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token-sum loss in fp64, label tokens) of one batch, forward only."""
+        with self.context.autocast(), self.context.loss_and_positions():
+            loss = to_local(token_sum_loss(self.model_parts[0](inputs), labels)).double()
+        return loss, (labels != IGNORE_INDEX).sum()
+
+
+class PipelineRunner(_Runner):
+    """This rank's stages of ``plan``, driven by the planned torch schedule.
+
+    Args:
+        plan: the split; model_parts: this rank's parallelized, materialized stage modules (plan
+        order); pp_mesh: the pp sub-mesh; context: the step context.
+    """
+
+    def __init__(self, plan: PipelinePlan, model_parts: list[nn.Module], pp_mesh, context: StepContext):
+        super().__init__(model_parts, context)
+        self.schedule, stages = build_pipeline_schedule(plan, model_parts, pp_mesh, context.device, token_sum_loss)
+        self.has_first = 0 in plan.local_stages
+        self.has_last = plan.num_stages - 1 in plan.local_stages
+        self.pp_group = pp_mesh.get_group()
+        self.timer = StageBusyTimer(stages, context.device)
+
+    def step(self, microbatches, global_tokens):
+        """As :meth:`_Runner.step`; also times the stages for :meth:`bubble_fraction`."""
+        self.timer.reset()
+        return super().step(microbatches, global_tokens)
+
+    def bubble_fraction(self, compute_seconds: float) -> float:
+        """Share of the last step's forward/backward time this rank spent idle (waiting on stages)."""
+        return max(0.0, 1.0 - self.timer.busy_seconds() / compute_seconds)
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor) -> torch.Tensor:
+        """One schedule step over a [local_batch_size, S] batch cut into the plan's microbatches.
+
+        Returns:
+            The batch's loss contribution (token sum / global_tokens) on the last stage, 0 elsewhere.
+        """
+        losses: list[torch.Tensor] | None = [] if self.has_last else None
+        args = (inputs,) if self.has_first else ()
+        with self.context.autocast():
+            self.schedule.step(
+                *args,
+                target=labels if self.has_last else None,
+                losses=losses,
+                return_outputs=False,
+                loss_kwargs={"global_tokens": global_tokens},
+            )
+        if losses:
+            return torch.stack([loss.detach() for loss in losses]).sum()
+        return torch.zeros((), device=self.context.device)
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward only (``schedule.eval``): (token-sum loss, label tokens) on the last stage, zeros
+        elsewhere (:meth:`sum_over_stages` shares them)."""
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        with self.context.autocast(), self.context.loss_and_positions():
+            self.schedule.eval(*args, target=labels if self.has_last else None, losses=losses)
+        total = torch.zeros((), device=self.context.device, dtype=torch.float64)
+        for loss in losses:
+            total += loss.double()
+        tokens = (labels != IGNORE_INDEX).sum() if self.has_last else torch.zeros((), dtype=torch.int64, device=labels.device)
+        return total, tokens
+
+    def sum_over_stages(self, value: torch.Tensor) -> torch.Tensor:
+        """All-reduce SUM over the pp group, in place (the last stage's value reaches every rank)."""
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.pp_group)
+        return value
