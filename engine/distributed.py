@@ -2,7 +2,7 @@
 
 torchrun (or SLURM through torchrun) sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 A process started without them is a single-process run and creates no process group. Each rank binds
-to ``cuda:LOCAL_RANK`` with NCCL where CUDA exists, else to the CPU with gloo (SEED.md §3); the
+to ``cuda:LOCAL_RANK`` with NCCL where CUDA exists, else to the CPU with gloo (torch.distributed backends docs); the
 ``job.device`` and ``comm.backend`` settings override the automatic choice.
 """
 

@@ -6,7 +6,7 @@ back-propagates its share ``loss_sum_local / global_tokens`` and data parallel *
 the gradient equals the single-process gradient of the same global batch, independent of the number
 of ranks and of gradient accumulation (the data-parallel mean of per-rank gradients, Li et al. 2020,
 arXiv 2006.15704, weighted by each rank's tokens). Everything that depends on the parallel layout
-per step lives in engine/runner.py; see docs/architecture.md for the whole data flow.
+per step lives in engine/runner.py; see engine/docs/architecture.md for the whole data flow.
 """
 
 from __future__ import annotations

@@ -30,10 +30,6 @@ if TYPE_CHECKING:  # torch is imported by build_mesh only: validation runs in th
 
 MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
-# Degrees whose parallelism is not wired into the trainer yet. Each later issue removes its entry.
-_NOT_SUPPORTED_YET: dict[str, str] = {}
-
-
 class ParallelismError(ValueError):
     """A ``[parallelism]`` setting that cannot work with this world size or this build."""
 
@@ -51,9 +47,8 @@ class ParallelDims:
 
     Raises:
         ParallelismError: a degree < 1 (other than dp_shard = -1), a product that is not the world
-            size, an ``ep`` that does not divide dp_shard × cp (or is not a multiple of cp), or a
-            degree whose parallelism is not built yet. Every message names the setting, its value
-            and the fix.
+            size, or an ``ep`` that does not divide dp_shard × cp (or is not a multiple of cp). Every
+            message names the setting, its value and the fix.
     """
 
     dp_replicate: int
@@ -116,13 +111,6 @@ class ParallelDims:
                 f"multiple of cp = {self.cp}: each expert-parallel group is a block of dp_shard ranks "
                 f"times every cp rank. Set parallelism.ep to one of {valid} (or raise dp_shard)."
             )
-        for name, what in _NOT_SUPPORTED_YET.items():
-            value = getattr(self, name)
-            if value > 1:
-                raise ParallelismError(
-                    f"parallelism.{name} = {value}: {what} is not supported yet; set "
-                    f"parallelism.{name} = 1."
-                )
 
     # ------------------------------------------------------------------ degrees by use
     @property

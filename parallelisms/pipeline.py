@@ -1,6 +1,6 @@
 """Pipeline parallel: split the model's layers into stages over the ``pp`` sub-mesh and run a schedule.
 
-SEED.md §7. Consecutive layers go to consecutive stages; each optimizer step's local batch is cut into
+Consecutive layers go to consecutive stages; each optimizer step's local batch is cut into
 M microbatches so stages work concurrently. GPipe runs all forwards then all backwards (bubble
 (K-1)/(M+K-1) for K stages, Huang et al. arXiv 1811.06965); 1F1B alternates one forward and one
 backward after a warm-up, bounding live activations (PipeDream-Flush, Narayanan et al. arXiv

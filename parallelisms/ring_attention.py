@@ -1,6 +1,6 @@
 """Exact causal attention over a sequence split across context-parallel ranks.
 
-Ring attention (Liu et al., arXiv 2310.01889; SEED.md §11): each rank keeps its queries and the K/V
+Ring attention (Liu et al., arXiv 2310.01889): each rank keeps its queries and the K/V
 blocks travel around the ring of cp ranks by point-to-point send/recv. Each step attends the local
 queries to one K/V block, and the partial results are merged with the log-sum-exp rule
 

@@ -1,6 +1,6 @@
 """Run a function in N gloo processes on the CPU and collect each rank's return value.
 
-Workers are forked (about twice as fast to start as spawn or torchrun, torch-cpu-facts.md), get the
+Workers are forked (about twice as fast to start as spawn or torchrun, measured on torch 2.13), get the
 torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), one intra-op thread
 each, and a finite collective timeout through the caller's config. A failing rank's traceback is
 re-raised in the parent; a rank that neither returns nor fails within ``timeout`` seconds fails the

@@ -24,14 +24,12 @@ import os
 import pytest
 
 from engine.trainer import Trainer  # noqa: F401 - imported once here, so forked workers start warm
-from parallelisms import parallel_dims
 from tests.checkpoint_utils import (
     STEPS, STOP, assert_bitwise_equal, assert_losses_close, ckpt_args, copy_checkpoint, read_checkpoint,
     train_run, write_tiny_corpus,
 )
 from tests.dist_utils import run_distributed
 
-TP_BUILT = "tp" not in parallel_dims._NOT_SUPPORTED_YET
 
 LAYOUTS = {
     # name: (world size, overrides, how the first run stops)
@@ -73,9 +71,6 @@ def single_reference(corpus, tmp_path_factory) -> tuple[str, dict]:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_exact_resume(layout, corpus, single_reference, tmp_path):
     world, overrides, stop = LAYOUTS[layout]
-    degree = layout[:2]
-    if degree in parallel_dims._NOT_SUPPORTED_YET:
-        pytest.skip(f"{parallel_dims._NOT_SUPPORTED_YET[degree]} not built yet")
     uninterrupted = str(tmp_path / "uninterrupted")
     stopped = str(tmp_path / "stopped")
     if layout == "single":
@@ -144,8 +139,6 @@ def _windows_by_stream(results: list[dict]) -> list[int]:
 
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_resume_on_another_layout(target, corpus, saved_by_fsdp4, single_reference, tmp_path):
-    if target.startswith("tp") and not TP_BUILT:
-        pytest.skip("tensor parallel not built yet")
     world, overrides = TARGETS[target]
     saved_run, first = saved_by_fsdp4
     _, reference = single_reference

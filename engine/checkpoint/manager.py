@@ -95,7 +95,7 @@ class CheckpointManager:
         self._raise_on_every_rank(problem)
         if cfg.async_mode == "async" and self.dist.is_distributed:
             # DCP's collectives in the writer thread must not share a group with training's
-            # collectives, or the two interleave and deadlock (torch-cpu-facts.md).
+            # collectives, or the two interleave and deadlock (seen with gloo on torch 2.13).
             self._async_group = dist.new_group(backend="gloo")
 
     # ------------------------------------------------------------------ collectives

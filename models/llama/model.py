@@ -4,7 +4,7 @@ Architecture (Touvron et al. 2023; Grattafiori et al. 2024): token embedding -> 
 [x + Attn(RMSNorm(x)); h + SwiGLU(RMSNorm(h))] -> RMSNorm -> output projection. Attention uses
 RoPE (Su et al. 2021) and grouped-query attention (Ainslie et al. 2023).
 
-Layout rules (DESIGN.md rules 4 and 5): blocks live in `layers`, an nn.ModuleDict keyed "0".."L-1"
+Layout rules (engine/docs/architecture.md): blocks live in `layers`, an nn.ModuleDict keyed "0".."L-1"
 so parameter names survive pipeline splits; `tok_embeddings`, `norm` and `output` may be set to
 None on pipeline stages. Attention infers its local head count from the tensors it sees (view with
 -1), so tensor parallel can shard heads without touching this file.
