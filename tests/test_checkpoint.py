@@ -161,7 +161,7 @@ def test_resume_on_another_layout(target, corpus, saved_by_fsdp4, single_referen
 # ---------------------------------------------------------------- a crash in the middle of a save
 def _crash_in_save(argv: list[str], step: int) -> dict:
     """Train, but die while saving ``step``: after DCP wrote every file, before the save completed."""
-    from engine import checkpoint_files
+    from engine.checkpoint import files as checkpoint_files
 
     write_marker = checkpoint_files.write_marker
 
