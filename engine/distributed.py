@@ -103,10 +103,44 @@ def init_distributed(device_setting: str, backend_setting: str, timeout_seconds:
     return DistInfo(rank, local_rank, world_size, device, backend)
 
 
-def shutdown_distributed() -> None:
-    """Barrier, then destroy the process group (a barrier first avoids gloo aborts at exit)."""
+def shutdown_distributed(clean: bool = True) -> None:
+    """Barrier, then destroy the process group (a barrier first avoids gloo aborts at exit).
+
+    ``clean=False`` (the run failed, maybe because another rank died) skips the barrier, which
+    could only fail again or wait for a rank that is gone.
+    """
     if dist.is_available() and dist.is_initialized():
         try:
-            dist.barrier()
+            if clean:
+                dist.barrier()
         finally:
             dist.destroy_process_group()
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a collective that failed because another rank went away (its process
+    died or its connection closed), rather than a problem of this rank."""
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(
+        mark in text for mark in ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+                                  "gloo/transport", "NCCL communicator was aborted")
+    )
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent (the launcher) dies, so that ranks never
+    outlive a launcher killed hard (``kill -KILL``, the OOM killer): torchrun starts each rank in a
+    session of its own, out of reach of a signal to the launcher's process group. No-op elsewhere."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)

@@ -143,34 +143,47 @@ def _kill_children(signum: int) -> None:
                 pass
 
 
+PEER_FAILURE = "stopped: another rank went away"  # what a rank reports when a collective lost a peer
+
+
 def _summarize_failure(error, error_dir: str, signals: _Signals) -> int:
-    """One line per distinct rank error (from the ranks' error files); returns the exit status."""
-    messages: dict[str, list[int]] = {}
+    """One line per root cause of a failed run; returns the exit status.
+
+    Root causes, in this order: the ranks' own one-line reasons (error files), except the
+    "another rank went away" of ranks that only lost a peer; else the ranks that died without a
+    reason (a signal other than the SIGTERM torchrun sends the survivors, or a crash); else that
+    collateral. Identical reasons from several ranks print once.
+    """
+    if signals.interrupts >= 2:
+        _say("quadra: stopped at once by a second Ctrl-C (SIGINT); the same command resumes from the newest "
+             "complete checkpoint")
+        return ABORT_EXIT
+    messages: dict[int, str] = {}
     for name in sorted(os.listdir(error_dir)):
         if name.startswith("rank") and name.endswith(".err"):
             with open(os.path.join(error_dir, name)) as f:
                 text = f.read().strip()
             if text:
-                messages.setdefault(text, []).append(int(name[4:-4]))
-    failures = getattr(error, "failures", {})
-    codes = {rank: failure.exitcode for rank, failure in failures.items()}
-    if signals.interrupts >= 2:
-        _say("quadra: stopped at once by a second Ctrl-C (SIGINT); the same command resumes from the newest "
-             "complete checkpoint")
-        return ABORT_EXIT
-    for text, ranks in messages.items():
-        who = "" if len(messages) == 1 else f"[rank{','.join(map(str, ranks))}] "
-        _say(who + text)
-    if not messages:
-        for rank, code in sorted(codes.items()):
-            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
-            _say(f"quadra: rank {rank} ended with {how} before reporting an error (killed, out of memory, "
-                 "or a crash above); rerun with QUADRA_TRACEBACK=1 for details")
-            break
-    statuses = [code for code in codes.values() if code > 0]
-    if 2 in statuses:
-        return 2
-    return statuses[0] if statuses else 1
+                messages[int(name[4:-4])] = text
+    codes = {rank: failure.exitcode for rank, failure in getattr(error, "failures", {}).items()}
+    own = {rank: text for rank, text in messages.items() if not text.startswith(PEER_FAILURE)}
+    if own:
+        grouped: dict[str, list[int]] = {}
+        for rank, text in sorted(own.items()):
+            grouped.setdefault(text, []).append(rank)
+        for text, ranks in grouped.items():
+            _say(text if len(grouped) == 1 else f"[rank{','.join(map(str, ranks))}] {text}")
+        statuses = [codes.get(rank, 1) for rank in own]
+        return 2 if 2 in statuses else max(statuses)
+    died = {rank: code for rank, code in codes.items()
+            if rank not in messages and code != -int(signal.SIGTERM)}
+    for rank, code in sorted((died or {r: c for r, c in codes.items() if r not in messages}).items()):
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+        _say(f"quadra: rank {rank} ended with {how} (killed, out of memory, or a crash shown above); the "
+             "other ranks were stopped. Rerun with QUADRA_TRACEBACK=1 for every rank's traceback")
+    if not died and messages:
+        _say(next(iter(messages.values())))
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:

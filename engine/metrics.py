@@ -36,8 +36,10 @@ logger = logging.getLogger("quadra")
 _GIB = float(2**30)
 
 
-def init_logging(rank: int, level: int = logging.INFO) -> logging.Logger:
+def init_logging(rank: int, level: int = logging.INFO, quiet: bool = False) -> logging.Logger:
     """Send the "quadra" logger to stdout with a ``[rank<r>] `` prefix and set ``level``.
+
+    ``quiet``: only warnings and errors (ranks other than 0, whose info lines repeat rank 0's).
 
     Idempotent: calling it again (e.g. in tests) replaces the handler it added before. The logger
     still propagates to the root logger, so pytest's ``caplog`` sees its records.
@@ -52,7 +54,7 @@ def init_logging(rank: int, level: int = logging.INFO) -> logging.Logger:
         logging.Formatter(f"[rank{rank}] %(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     )
     quadra_logger.addHandler(handler)
-    quadra_logger.setLevel(level)
+    quadra_logger.setLevel(max(level, logging.WARNING) if quiet else level)
     return quadra_logger
 
 

@@ -45,7 +45,8 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
         world_size: number of ranks the run will have (``NGPU × NNODES`` before launch).
         device_type: "cpu" or "cuda" (some rules, e.g. async TP, depend on it).
         check_data: also check that local ``data.path`` / ``validation.path`` exist and hold data
-            files of a supported type (hub dataset names are only checked by the ranks).
+            files of a supported type (hub dataset names are only checked by the ranks), and that
+            the checkpoint folder can be written (it is created).
 
     Returns:
         a :class:`SetupPlan`.
@@ -77,6 +78,7 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
         plan_model_pipeline(p, args, local_batch_size=t.local_batch_size, pp_rank=0)
     if check_data:
         _check_local_data(cfg)
+        _check_checkpoint_folder(cfg)
     return SetupPlan(parallel_dims, spec, args, vocab, global_batch, accum)
 
 
@@ -89,6 +91,17 @@ def _check_local_data(cfg) -> None:
     for setting, path in paths:
         if looks_like_local_path(path):
             resolve_local_files(path, setting)
+
+
+def _check_checkpoint_folder(cfg) -> None:
+    import os
+
+    from engine.checkpoint.files import unwritable_folder_message
+
+    if cfg.checkpoint.enable:
+        problem = unwritable_folder_message(cfg.checkpoint.folder, os.path.join(cfg.run_folder, cfg.checkpoint.folder))
+        if problem:
+            raise ValueError(problem)
 
 
 def hardware_warnings(cfg, device_type: str) -> list[str]:

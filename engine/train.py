@@ -50,48 +50,64 @@ def main(argv: list[str] | None = None) -> int:
     from engine import signals
 
     signals.install()  # before set-up, so that a stop signal during it is not lost
-    from engine.distributed import shutdown_distributed
+    from engine.distributed import die_with_parent, is_peer_failure, shutdown_distributed
     from engine.metrics import init_logging
     from engine.trainer import Trainer, TrainingDivergedError
 
-    init_logging(rank)
+    if os.environ.get("QUADRA_LAUNCHER"):
+        die_with_parent()
+    init_logging(rank, quiet=rank != 0 and not cfg.metrics.log_all_ranks)
     if rank == 0 and not os.environ.get("QUADRA_LAUNCHER"):  # the launcher printed them already
         for warning in cfg.warnings():
             logger.warning("%s", warning)
+    clean = False
     try:
-        try:
-            trainer = Trainer(cfg)
-        except (ValueError, FileNotFoundError) as error:
-            return _fail(rank, "set-up error", error, 2)
-        except KeyboardInterrupt:
-            return _fail(rank, "interrupted", "second SIGINT during set-up", 130)
-        try:
-            trainer.train()
-        except TrainingDivergedError as error:
-            return _fail(rank, "training stopped", error, 1)
-        except KeyboardInterrupt:
-            return _fail(rank, "interrupted", "second SIGINT: stopped without saving; the same command "
-                         "resumes from the newest complete checkpoint", 130)
-        finally:
-            trainer.close()
-        if trainer.stopped_by:
-            if trainer.stop_saved:
-                done = f"saved checkpoint step-{trainer.step}"
-            elif trainer.step == 0:
-                done = "stopped before the first step"
-            elif cfg.checkpoint.enable:
-                done = f"nothing trained since checkpoint step-{trainer.step}"
-            else:
-                done = f"stopped after step {trainer.step} without a checkpoint (checkpoint.enable = false)"
-            if rank == 0:
-                logger.info("received %s: %s, exiting", trainer.stopped_by, done)
-            return 0
-        if rank == 0:
-            logger.info("training finished after %d steps; run folder: %s", trainer.step, trainer.run_folder)
-        return 0
+        status = _build_and_train(cfg, rank, Trainer, TrainingDivergedError)
+        clean = status == 0
+        return status
+    except KeyboardInterrupt:
+        return _fail(rank, "interrupted", "second SIGINT: stopped without saving; the same command "
+                     "resumes from the newest complete checkpoint", 130)
+    except Exception as error:
+        if not is_peer_failure(error) or os.environ.get("QUADRA_TRACEBACK"):
+            raise
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return _fail(rank, "stopped", f"another rank went away during a collective ({first_line[:200]})", 1)
+        # (engine/launch.py recognizes this "stopped: another rank went away" as collateral)
     finally:
-        shutdown_distributed()
+        shutdown_distributed(clean=clean)
 
+
+def _build_and_train(cfg, rank: int, trainer_cls, diverged_error) -> int:
+    try:
+        trainer = trainer_cls(cfg)
+    except (ValueError, FileNotFoundError) as error:
+        return _fail(rank, "set-up error", error, 2)
+    ranks_alive = False  # until train() returns or every rank raised the same divergence
+    try:
+        trainer.train()
+        ranks_alive = True
+    except diverged_error as error:
+        ranks_alive = True
+        return _fail(rank, "training stopped", error, 1)
+    finally:
+        # After any other failure, close what can be closed without waiting on other ranks.
+        trainer.close(wait=ranks_alive)
+    if trainer.stopped_by:
+        if trainer.stop_saved:
+            done = f"saved checkpoint step-{trainer.step}"
+        elif trainer.step == 0:
+            done = "stopped before the first step"
+        elif cfg.checkpoint.enable:
+            done = f"nothing trained since checkpoint step-{trainer.step}"
+        else:
+            done = f"stopped after step {trainer.step} without a checkpoint (checkpoint.enable = false)"
+        if rank == 0:
+            logger.info("received %s: %s, exiting", trainer.stopped_by, done)
+        return 0
+    if rank == 0:
+        logger.info("training finished after %d steps; run folder: %s", trainer.step, trainer.run_folder)
+    return 0
 
 if __name__ == "__main__":
     status = main()

@@ -289,8 +289,10 @@ class Trainer:
                 gc.enable()
         return list(self.history)
 
-    def close(self) -> None:
-        """Finish a checkpoint in flight, restore signal handlers, close the metrics files."""
-        self.checkpointer.close()
+    def close(self, wait: bool = True) -> None:
+        """Finish a checkpoint in flight (``wait``: skipped after a failure, since it may need other
+        ranks), restore signal handlers, close the metrics files."""
+        if wait:
+            self.checkpointer.close()
         self.stop_request.restore()
         self.metrics.close()

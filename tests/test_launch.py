@@ -165,10 +165,53 @@ def test_two_nodes_on_one_machine_train_like_one_node(corpus, reference, tmp_pat
     decides the global rank (node 1 logs as rank 1)."""
     folder = str(tmp_path / "two_nodes")
     port = str(free_port())
-    nodes = [_launch([*_args(folder, corpus), "--checkpoint.enable", "false"],
+    nodes = [_launch([*_args(folder, corpus), "--checkpoint.enable", "false", "--metrics.log_all_ranks", "true"],
                      NNODES="2", NGPU="1", NODE_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
              for node in (1, 0)]  # node 1 first: its rank must not depend on arrival order
     outs = [_finish(proc) for proc in nodes]
     assert [proc.returncode for proc in nodes] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
     assert "[rank1] " in outs[0] and "[rank0] " not in outs[0], outs[0][-2000:]
     assert _curve(folder) == reference
+
+
+def _rank_pid(launcher_pid: int, rank: int) -> int:
+    for pid in _ranks_of(launcher_pid):
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                return pid
+    raise AssertionError(f"no rank {rank} under the launcher")
+
+
+def test_a_killed_rank_is_named_in_one_line(corpus, tmp_path):
+    """SIGKILL of rank 1 (the OOM killer, say): the survivor's failed collective is collateral; the
+    user reads which rank died and how, with no traceback."""
+    folder = str(tmp_path / "run")
+    proc = _launch(_args(folder, corpus))
+    _stop_after_two_more_steps(proc, folder, [])
+    os.kill(_rank_pid(proc.pid, 1), signal.SIGKILL)
+    out = _finish(proc)
+    assert proc.returncode == 1, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    said = [line for line in out.splitlines() if line.startswith(("quadra:", "stopped:", "[rank"))
+            and "INFO" not in line]
+    assert len(said) == 1 and said[0].startswith("quadra: rank 1 ended with signal SIGKILL"), out[-2000:]
+
+
+def test_ranks_do_not_outlive_a_launcher_killed_hard(corpus, tmp_path):
+    """SIGKILL to the launcher's process group (timeout -s KILL, an OOM kill of the launcher): torchrun
+    starts the ranks in sessions of their own, so they must end with their parent."""
+    folder = str(tmp_path / "run")
+    proc = _launch([*_args(folder, corpus), "--training.steps", "1000"])  # far from done when killed
+    _stop_after_two_more_steps(proc, folder, [])
+    ranks = _ranks_of(proc.pid)
+    assert len(ranks) == 2
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)  # the launcher; its output pipe stays open while any rank lives
+    deadline = time.monotonic() + 5
+    while any(os.path.exists(f"/proc/{pid}") for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    assert not alive, "ranks kept running after their launcher was killed"

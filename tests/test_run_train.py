@@ -89,6 +89,7 @@ SETUP_ERRORS = {
     "pp microbatches": (["--parallelism.pp", "2", "--parallelism.pp_microbatch_size", "3"],
                         "parallelism.pp_microbatch_size = 3"),
     "ep on a dense model": (["--parallelism.ep", "2"], "parallelism.ep = 2"),
+    "unwritable checkpoint folder": (["--checkpoint.folder", "/proc/quadra"], "checkpoint.folder = '/proc/quadra'"),
 }
 
 

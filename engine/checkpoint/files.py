@@ -160,6 +160,17 @@ def prune(folder: str, keep_latest_k: int, keep_step: int | None = None) -> list
     return doomed
 
 
+def unwritable_folder_message(setting: str, folder: str) -> str | None:
+    """One line for a checkpoint folder that cannot be written, or None: ``setting`` is the value of
+    ``checkpoint.folder`` as configured, ``folder`` where it resolves (creates it when missing)."""
+    problem = check_writable(folder)
+    if problem is None:
+        return None
+    return (f"checkpoint.folder = {setting!r} resolves to {os.path.abspath(folder)!r}, which cannot be "
+            f"written ({problem}). Fix: make it writable, or set checkpoint.folder (or job.dump_folder) "
+            "to a writable place")
+
+
 def check_writable(folder: str) -> str | None:
     """Create ``folder`` and write/delete a probe file; -> None, or the OS error as text."""
     try:

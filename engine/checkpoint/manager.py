@@ -87,11 +87,7 @@ class CheckpointManager:
             # DCP warns at every single-process save/load (also from the async writer thread) that it
             # assumes one process: that is the intent here.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        problem = files.check_writable(self.folder) if self.dist.rank == 0 else None
-        if problem:
-            problem = (f"checkpoint.folder = {cfg.folder!r} resolves to {os.path.abspath(self.folder)!r}, "
-                       f"which cannot be written ({problem}). Fix: make it writable, or set "
-                       "checkpoint.folder (or job.dump_folder) to a writable place")
+        problem = files.unwritable_folder_message(cfg.folder, self.folder) if self.dist.rank == 0 else None
         self._raise_on_every_rank(problem)
         if cfg.async_mode == "async" and self.dist.is_distributed:
             # DCP's collectives in the writer thread must not share a group with training's

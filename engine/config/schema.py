@@ -185,7 +185,7 @@ class MetricsSection:
     enable_tensorboard: bool = _opt(True, "write TensorBoard event files")
     save_tb_folder: str = _opt("tb", "TensorBoard folder, relative to the run folder")
     peak_tflops: float = _opt(0.0, "0: look up the GPU in a table; on CPU MFU prints n/a")
-    log_all_ranks: bool = _opt(False, "print the step line on every rank, not only rank 0 (files: rank 0)")
+    log_all_ranks: bool = _opt(False, "print step and info lines on every rank, not only rank 0 (files: rank 0)")
 
 
 @dataclass
