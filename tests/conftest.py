@@ -8,7 +8,7 @@ import datasets
 import pytest
 
 from tests.dist_utils import run_distributed
-from tests.training_utils import base_args, train_and_record
+from tests.training_utils import MAX_NORM, base_args, train_and_record
 
 
 @pytest.fixture(scope="session")
@@ -18,6 +18,8 @@ def reference(tmp_path_factory):
     (history,) = run_distributed(train_and_record, 1, base_args(str(folder)), torchrun_env=False)
     losses = [loss for loss, _ in history]
     assert losses[-1] < losses[0], f"the reference run did not learn: {losses}"
+    # Every layout compared with this run must clip at every step, or a wrong norm goes unseen.
+    assert all(norm > MAX_NORM * 1.2 for _, norm in history), f"clipping not engaged: {history}"
     return history
 
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tests.dist_utils import run_distributed
 from tests.training_utils import assert_parity, base_args, train_and_record
+
+pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)
 
 AC_MODES = {
     "full": {"activation_checkpoint.mode": "full"},
@@ -40,6 +44,52 @@ def _recomputed_blocks(mode: str, option: str) -> int:
 @pytest.mark.parametrize("mode, option, wrapped", [("none", "op", 0), ("full", "op", 6), ("selective", "2", 3), ("selective", "op", 6)])
 def test_blocks_wrapped(mode, option, wrapped):
     assert _recomputed_blocks(mode, option) == wrapped
+
+
+@pytest.mark.parametrize("mode, option, recomputed, fewer_saved", [
+    ("none", "op", [0] * 6, False),
+    ("full", "op", [1] * 6, True),
+    ("selective", "2", [1, 0, 1, 0, 1, 0], True),  # every 2nd block, counting from the first
+    ("selective", "op", [1] * 6, True),  # op-level: the block reruns, matmul outputs come from the cache
+])
+def test_backward_recomputes_the_checkpointed_blocks(mode, option, recomputed, fewer_saved):
+    """What activation checkpointing is for: backward runs the wrapped blocks' forward again, and
+    forward keeps fewer tensors for backward (counted with saved_tensors_hooks)."""
+    import torch
+
+    from models import get_model_args
+    from models.llama.model import Transformer
+    from parallelisms.activation_checkpoint import apply_activation_checkpointing
+
+    def build():
+        torch.manual_seed(0)
+        model = Transformer(dataclasses.replace(get_model_args("llama", "debugmodel"), max_seq_len=16))
+        model.init_weights(seed=0)
+        return model
+
+    def run(model):
+        calls = [0] * len(model.layers)
+        for index, block in enumerate(model.layers.values()):
+            block.feed_forward.register_forward_hook(lambda *_, i=index: calls.__setitem__(i, calls[i] + 1))
+        saved = [0]
+
+        def pack(tensor):
+            saved[0] += 1
+            return tensor
+
+        tokens = torch.randint(0, 4096, (1, 16))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(tokens).float().logsumexp(-1).sum()
+        forward_calls = list(calls)
+        loss.backward()
+        return [c - f for c, f in zip(calls, forward_calls)], saved[0]
+
+    _, saved_plain = run(build())
+    model = build()
+    apply_activation_checkpointing(model, mode, option)
+    again, saved = run(model)
+    assert again == recomputed
+    assert (saved < saved_plain) == fewer_saved, (saved, saved_plain)
 
 
 @pytest.mark.parametrize("option", ["0", "x", "-1"])

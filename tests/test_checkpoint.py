@@ -30,6 +30,8 @@ from tests.checkpoint_utils import (
 )
 from tests.dist_utils import run_distributed
 
+pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)
+
 
 LAYOUTS = {
     # name: (world size, overrides, how the first run stops)

@@ -11,6 +11,8 @@ from engine.trainer import Trainer  # noqa: F401 - imported once here, so forked
 from tests.dist_utils import run_distributed
 from tests.training_utils import base_args
 
+pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)
+
 
 def _setup_errors(argv_list: list[list[str]]) -> list[str]:
     """Build a Trainer for each argv; -> the error each raised ("no error" if none)."""

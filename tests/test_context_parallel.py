@@ -7,6 +7,8 @@ import pytest
 from tests.dist_utils import run_distributed
 from tests.training_utils import assert_parity, base_args, train_and_record
 
+pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)
+
 LAYOUTS = {
     # name: (world_size, overrides); the global batch is 8 sequences of 64 tokens in every layout.
     "cp2_ring": (2, {"parallelism.cp": 2, "parallelism.dp_shard": 1}),

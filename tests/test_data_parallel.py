@@ -30,6 +30,12 @@ LAYOUTS = {
         2,
         {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 1, "training.local_batch_size": 2},
     ),
+    "ddp2_x_tp2": (4, {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 1, "parallelism.tp": 2,
+                       "training.local_batch_size": 4}),
+    "fsdp2_reshard_always": (2, {"parallelism.dp_shard": 2, "training.local_batch_size": 4,
+                                 "parallelism.fsdp_reshard_after_forward": "always"}),
+    "fsdp2_reshard_never": (2, {"parallelism.dp_shard": 2, "training.local_batch_size": 4,
+                                "parallelism.fsdp_reshard_after_forward": "never"}),
 }
 
 

@@ -13,6 +13,8 @@ import engine.trainer  # noqa: F401  imported here so that forked ranks start wi
 from tests.dist_utils import run_distributed
 from tests.training_utils import assert_parity, base_args, train_and_record
 
+pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)
+
 MOE = {"model.name": "moe"}
 MIXTRAL = {"model.name": "moe", "model.flavor": "debugmodel_mixtral"}
 

@@ -18,6 +18,8 @@ from tests.checkpoint_utils import train_run, write_tiny_corpus
 from tests.dist_utils import free_port, run_distributed
 from tests.training_utils import REPO
 
+pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)
+
 STEPS = 16
 SETTINGS = {"training.steps": STEPS, "training.seq_len": 64, "validation.enable": "false",
             "training.local_batch_size": 2, "training.global_batch_size": 8, "training.gc_freq": 0,

@@ -169,9 +169,34 @@ def test_balance_loss_is_added_to_the_objective():
     ref = build_layer(aux_loss_coeff=0.0, score_func="softmax")
     tokens = x.reshape(-1, TINY.dim)
     _, ids, scores = ref.router(tokens)
-    (ref(x).sum() + coeff * ref._balance_loss(scores, ids, 3, 8) / 3).backward()
+    (ref(x).sum() + coeff * _balance_loss_by_hand(scores, ids, 3, 8, ref.num_experts, ref.top_k) / 3).backward()
     torch.testing.assert_close(got, ref.router.gate.weight.grad)
     assert not torch.equal(got, build_grad_without_aux(x))
+
+
+def _balance_loss_by_hand(scores, expert_ids, bsz: int, seqlen: int, num_experts: int, top_k: int):
+    """DeepSeek-V3's sequence-wise balance loss (arXiv 2412.19437, eq. 17-20), summed over sequences,
+    written loop by loop: for each sequence, Σ_i f_i · P_i with f_i = E / (K·S) · (slots choosing
+    expert i) and P_i the sequence mean of the softmax score of expert i."""
+    total = 0.0
+    for b in range(bsz):
+        rows = range(b * seqlen, (b + 1) * seqlen)
+        for i in range(num_experts):
+            slots = sum(int((expert_ids[t] == i).sum()) for t in rows)
+            f_i = num_experts / (top_k * seqlen) * slots
+            p_i = sum(scores[t, i] for t in rows) / seqlen
+            total = total + f_i * p_i
+    return total
+
+
+def test_balance_loss_is_one_per_sequence_when_routing_is_uniform():
+    """The property the formula is built for: uniform scores and an even choice give exactly 1."""
+    layer = build_layer(score_func="softmax")
+    bsz, seqlen, experts, top_k = 2, 4, layer.num_experts, layer.top_k
+    scores = torch.full((bsz * seqlen, experts), 1.0 / experts)
+    ids = torch.stack([torch.arange(t * top_k, (t + 1) * top_k) % experts for t in range(bsz * seqlen)])
+    assert seqlen * top_k % experts == 0  # every expert gets the same number of slots per sequence
+    assert layer._balance_loss(scores, ids, bsz, seqlen).item() == pytest.approx(bsz)
 
 
 def build_grad_without_aux(x):

@@ -27,6 +27,7 @@ def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_debug_model_trains_and_logs(tmp_path):
     run = _run(
         [
@@ -108,6 +109,7 @@ def test_bad_setup_is_refused_before_any_rank_starts(case, tmp_path):
     assert elapsed < 4, f"took {elapsed:.1f} s to refuse (the pre-flight imports no torch; ranks take longer to start)"
 
 
+@pytest.mark.slow
 def test_error_only_the_ranks_can_find_is_one_line(tmp_path):
     """A hub dataset that cannot be loaded (offline): every rank finds it; the user reads it once."""
     run = _run(["--job.dump_folder", str(tmp_path), "--data.path", "nobody/no_such_dataset"], timeout=120)
@@ -117,6 +119,7 @@ def test_error_only_the_ranks_can_find_is_one_line(tmp_path):
     assert "Traceback" not in run.stderr and "ChildFailedError" not in run.stderr, run.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_two_steps_of_the_default_config_run(tmp_path):
     """Smoke runs work: the debug config's warmup (10 steps) is clamped to the run with one warning."""
     run = _run(["--job.dump_folder", str(tmp_path), "--training.steps", "2", "--job.print_config", "false"])

@@ -166,6 +166,7 @@ def rank_results(tmp_path_factory):
 # ---------------------------------------------------------------- parity
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_parity_with_one_process(layout, rank_results, reference):
     world_size, _ = LAYOUTS[layout]
@@ -174,6 +175,7 @@ def test_parity_with_one_process(layout, rank_results, reference):
         assert_parity(results["histories"][layout], reference)
 
 
+@pytest.mark.slow
 def test_grad_norm_and_clipping_over_mixed_meshes(rank_results):
     """Shards counted once, replicas not twice, pending (Partial) gradients reduced, every rank equal."""
     for results in rank_results(4):
@@ -185,6 +187,7 @@ def test_grad_norm_and_clipping_over_mixed_meshes(rank_results):
 # ---------------------------------------------------------------- collectives
 
 
+@pytest.mark.slow
 def test_collectives_per_block_follow_megatron(rank_results):
     """Megatron-LM §3: one all-reduce per sub-block in forward and one in backward; with sequence
     parallel (arXiv 2205.05198 §4.2.2) each becomes an all-gather plus a reduce-scatter."""
@@ -204,6 +207,7 @@ def test_collectives_per_block_follow_megatron(rank_results):
 # ---------------------------------------------------------------- start-up validation
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(BAD_SETTINGS))
 def test_bad_setting_fails_on_every_rank(name, rank_results):
     _, fragments = BAD_SETTINGS[name]
@@ -265,8 +269,3 @@ def test_validation_names_setting_value_and_fix(tp, changes, fragments):
 )
 def test_validation_accepts(tp, kwargs):
     _validate(tp, **kwargs)
-
-
-@pytest.mark.skip(reason="async TP needs >= 2 CUDA GPUs with symmetric memory; CI runs on CPU")
-def test_async_tp_on_gpus():
-    """Placeholder for the GPU suite: async TP on 2+ GPUs with compile, parity with sync TP."""

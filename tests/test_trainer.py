@@ -8,7 +8,9 @@ import math
 import pytest
 
 from tests.dist_utils import run_distributed
-from tests.training_utils import base_args
+from tests.training_utils import SMALL_CORPUS, base_args, train_and_record
+
+pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)
 
 
 def _poison_then_step(argv: list[str]) -> str:
@@ -69,3 +71,40 @@ def test_bfloat16_mixed_precision_trains_close_to_fp32(world_size, reference, tm
     # bf16 has an 8-bit mantissa: ~0.4% per rounding; the loss stays well within 2%.
     assert abs(losses[0] - ref_loss) / ref_loss < 2e-2, (losses, reference)
     assert losses[0] != ref_loss, "bf16 run is bit-identical to fp32: mixed precision not applied"
+
+
+def test_bfloat16_gradient_reduction_trains_close_to_fp32(reference, tmp_path):
+    """FSDP2 reduce-scatters bf16 gradients (training.mixed_precision_reduce): close to, not equal to, fp32."""
+    overrides = {"training.mixed_precision_reduce": "bfloat16", "parallelism.dp_shard": 2,
+                 "training.local_batch_size": 4, "training.steps": 2, "lr_scheduler.warmup_steps": 1}
+    histories = run_distributed(train_and_record, 2, base_args(str(tmp_path), overrides))
+    norm, ref_norm = histories[0][0][1], reference[0][1]
+    assert histories[0][0][0] == pytest.approx(reference[0][0], rel=1e-5)  # step 1's loss: fp32 forward
+    # bf16 keeps 8 mantissa bits: the reduced gradients, hence the norm, move by ~1e-3, not 1e-7.
+    assert norm != ref_norm and abs(norm - ref_norm) / ref_norm < 2e-2, (norm, ref_norm)
+
+
+def _validation_loss(argv):
+    from engine.config import load_config
+    from engine.trainer import Trainer
+
+    trainer = Trainer(load_config(argv))
+    try:
+        trainer.train(steps=1)
+        return trainer.validate()
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("world_size, overrides", [
+    (2, {"parallelism.tp": 2, "parallelism.dp_shard": 1}),
+    (2, {"parallelism.cp": 2, "parallelism.dp_shard": 1}),
+    (2, {"parallelism.dp_shard": 2, "training.local_batch_size": 4}),
+], ids=["tp2", "cp2", "fsdp2"])
+def test_validation_under_a_layout_equals_one_process(world_size, overrides, tmp_path):
+    """Validation shards the split over dp and the sequence over cp, and sums the loss over tp's
+    vocabulary shards: the mean token loss must be the one process's."""
+    val = {"validation.enable": "true", "validation.path": SMALL_CORPUS, "validation.steps": 2}
+    (single,) = run_distributed(_validation_loss, 1, base_args(str(tmp_path / "one"), val), torchrun_env=False)
+    for loss in run_distributed(_validation_loss, world_size, base_args(str(tmp_path / "many"), {**val, **overrides})):
+        assert loss == pytest.approx(single, rel=1e-5)

@@ -9,13 +9,20 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The 0.2 MB validation split is the training data of the tests: fast to tokenize, real text.
 SMALL_CORPUS = os.path.join(REPO, "assets", "data", "shakespeare", "validation.jsonl")
 PARITY_STEPS = 5
+MAX_NORM = 0.5
 
 
 def base_args(dump_folder: str, overrides: dict | None = None) -> list[str]:
-    """CLI arguments of a 5-step fp32 debugmodel run on the small corpus (global batch 8 × 64 tokens)."""
+    """CLI arguments of a 5-step fp32 debugmodel run on the small corpus (global batch 8 × 64 tokens),
+    on the CPU, with gradient clipping engaged at every step."""
     settings = {
         "job.dump_folder": dump_folder,
         "job.print_config": "false",
+        # CPU even where CUDA exists: these tests compare gloo layouts with one CPU process.
+        "job.device": "cpu",
+        # Below the grad norm of every step (0.77-0.94 here): clipping scales every update, so a
+        # wrong norm reduction over any mesh changes the weights and the next step's loss.
+        "training.max_norm": str(MAX_NORM),
         "data.path": SMALL_CORPUS,
         "training.steps": str(PARITY_STEPS),
         "training.seq_len": "64",
