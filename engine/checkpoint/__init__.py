@@ -3,11 +3,24 @@ atomic folders, async saves, and one-process tools.
 
 Modules: ``state`` (what a checkpoint holds: model parts + optimizer as canonical FQNs, RNG, LR,
 and the checks that a checkpoint fits), ``files`` (the ``step-N`` folders: atomic rename, markers,
-scanning, pruning), ``manager`` (:class:`CheckpointManager`: when to save, save, load, stop),
-``tools`` (export / import single-file weights, seed checkpoints).
+scanning, pruning; torch-free, the launcher's pre-flight uses it), ``manager``
+(:class:`CheckpointManager`: when to save, save, load, stop), ``tools`` (export / import
+single-file weights, seed checkpoints).
+
+The names below are imported on first use (PEP 562), so that ``engine.checkpoint.files`` stays
+importable without torch.
 """
 
-from engine.checkpoint.files import CheckpointError
-from engine.checkpoint.manager import CheckpointManager
+from __future__ import annotations
 
-__all__ = ["CheckpointError", "CheckpointManager"]
+import importlib
+
+_EXPORTS = {"CheckpointError": "files", "CheckpointManager": "manager"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"engine.checkpoint.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
