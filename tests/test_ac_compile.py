@@ -70,7 +70,9 @@ def test_backward_recomputes_the_checkpointed_blocks(mode, option, recomputed, f
     def run(model):
         calls = [0] * len(model.layers)
         for index, block in enumerate(model.layers.values()):
-            block.feed_forward.register_forward_hook(lambda *_, i=index: calls.__setitem__(i, calls[i] + 1))
+            # A pre-hook: recomputation stops early, once the last tensor backward needs is back,
+            # so a forward hook (after forward returns) would not fire on it.
+            block.feed_forward.register_forward_pre_hook(lambda *_, i=index: calls.__setitem__(i, calls[i] + 1))
         saved = [0]
 
         def pack(tensor):
