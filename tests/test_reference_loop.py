@@ -51,7 +51,7 @@ def _plain_loop(local_batch_size: int) -> list[tuple[float, float]]:
     optimizer = torch.optim.AdamW(
         [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
          {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-        lr=LR, betas=(0.9, 0.95), eps=1e-8, foreach=False,
+        lr=LR, betas=(0.9, 0.95), eps=1e-3, foreach=False,  # eps as in base_args
     )
     history = []
     for step in range(PARITY_STEPS):

@@ -23,6 +23,10 @@ def base_args(dump_folder: str, overrides: dict | None = None) -> list[str]:
         # Below the grad norm of every step (0.77-0.94 here): clipping scales every update, so a
         # wrong norm reduction over any mesh changes the weights and the next step's loss.
         "training.max_norm": str(MAX_NORM),
+        # Adam divides each update by sqrt(v) + eps, which cancels any constant scale of the
+        # gradients when eps is tiny: a wrong clipping factor would then leave the weights almost
+        # unchanged. An eps above the gradients' RMS (~2e-4 here) makes the update follow the scale.
+        "optimizer.eps": "1e-3",
         "data.path": SMALL_CORPUS,
         "training.steps": str(PARITY_STEPS),
         "training.seq_len": "64",
