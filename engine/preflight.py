@@ -73,7 +73,8 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
         spec.validate_parallelism_fn(args, p, seq_len=t.seq_len, device_type=device_type,
                                      compile_enabled=cfg.compile.enable)
     if parallel_dims.cp_enabled:
-        validate_context_parallel(t.seq_len, p.cp, p.tp, p.cp_load_balance, p.cp_rotate_method)
+        validate_context_parallel(t.seq_len, p.cp, p.tp, p.cp_load_balance, p.cp_rotate_method,
+                                  compile_enabled=cfg.compile.enable)
     if parallel_dims.pp_enabled:
         plan_model_pipeline(p, args, local_batch_size=t.local_batch_size, pp_rank=0)
     if check_data:

@@ -18,7 +18,7 @@ def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, NGPU="2", OMP_NUM_THREADS="1")
     env.pop("CONFIG_FILE", None)
     return subprocess.run(
-        [os.path.join(REPO, "run_train.sh"), *args],
+        [os.path.join(REPO, "run_train.sh"), *args, "--job.device", "cpu"],  # gloo ranks even on a GPU machine
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -90,6 +90,7 @@ SETUP_ERRORS = {
     "pp microbatches": (["--parallelism.pp", "2", "--parallelism.pp_microbatch_size", "3"],
                         "parallelism.pp_microbatch_size = 3"),
     "ep on a dense model": (["--parallelism.ep", "2"], "parallelism.ep = 2"),
+    "cp with compile": (["--parallelism.cp", "2", "--compile.enable", "true"], "compile.enable = true with parallelism.cp = 2"),
     "unwritable checkpoint folder": (["--checkpoint.folder", "/proc/quadra"], "checkpoint.folder = '/proc/quadra'"),
 }
 
