@@ -81,7 +81,7 @@ def test_defaults_match_spec_and_validate():
     assert cfg == JobConfig()
     assert cfg.training.steps == 100 and cfg.training.local_batch_size == 8
     assert cfg.training.global_batch_size == -1 and cfg.training.seq_len == 256
-    assert cfg.optimizer.lr == 8e-4 and cfg.optimizer.implementation == "foreach"
+    assert cfg.optimizer.lr == 8e-4 and cfg.optimizer.implementation == "auto"
     assert cfg.lr_scheduler.decay_type == "linear" and cfg.lr_scheduler.min_lr == 0.0
     assert cfg.parallelism.dp_shard == -1 and cfg.parallelism.tp == 1
     assert cfg.activation_checkpoint.selective_ac_option == "op"
@@ -213,7 +213,7 @@ def test_wrong_type_on_cli(argv, fragments):
     ("lr_scheduler.decay_type", "cos", "constant|linear|cosine|wsd"),
     ("training.mixed_precision_param", "float16", "float32|bfloat16"),
     ("training.mixed_precision_reduce", "fp8", "float32|bfloat16"),
-    ("optimizer.implementation", "apex", "foreach|fused|for-loop"),
+    ("optimizer.implementation", "apex", "auto|fused|foreach|for-loop"),
     ("parallelism.fsdp_reshard_after_forward", "sometimes", "default|always|never"),
     ("comm.backend", "mpi", "auto|nccl|gloo"),
     ("activation_checkpoint.mode", "partial", "none|full|selective"),

@@ -72,6 +72,7 @@ def test_weight_decay_changes_only_matrices():
 
 @pytest.mark.parametrize("impl, foreach, fused", [
     ("foreach", True, False), ("fused", False, True), ("for-loop", False, False),
+    ("auto", False, True),  # CPU fp32 has the fused kernel, so auto picks it
 ])
 def test_implementation_flags(impl, foreach, fused):
     model = nn.Linear(4, 4)
@@ -81,13 +82,20 @@ def test_implementation_flags(impl, foreach, fused):
     opt.step()  # every implementation must run on CPU in torch 2.13
 
 
+def test_auto_falls_back_to_foreach_without_fused_kernel():
+    model = nn.Linear(2, 2, device="meta")  # no fused kernel on the meta device
+    opt = build_optimizer([model], _cfg(implementation="auto"))
+    assert all(g["foreach"] is True and g["fused"] is False for g in opt.param_groups)
+
+
 def test_implementations_agree():
+    """Fused (the default on CPU and CUDA) against torch's reference for-loop, over 5 steps."""
     results = []
     for impl in ("foreach", "fused", "for-loop"):
         torch.manual_seed(0)
         model = _Tiny()
         opt = build_optimizer([model], _cfg(implementation=impl))
-        for _ in range(2):
+        for _ in range(5):
             model.proj(model.norm(model.emb(torch.tensor([1, 2, 3])))).square().sum().backward()
             opt.step()
             opt.zero_grad()

@@ -106,7 +106,9 @@ class OptimizerSection:
     beta2: float = _opt(0.95, "Adam second-moment decay")
     eps: float = _opt(1e-8, "Adam denominator epsilon")
     weight_decay: float = _opt(0.1, "decoupled weight decay")
-    implementation: str = _opt("foreach", "foreach|fused|for-loop", choices=("foreach", "fused", "for-loop"))
+    implementation: str = _opt("auto", "auto|fused|foreach|for-loop (auto: fused where torch has the "
+                               "kernel for the parameters' device and dtype, else foreach)",
+                               choices=("auto", "fused", "foreach", "for-loop"))
 
 
 @dataclass
