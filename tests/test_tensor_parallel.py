@@ -118,6 +118,46 @@ def _clip_over_mixed_meshes() -> dict:
     return {"norm": float(norm), "want": float(want), "clip_error": clip_error}
 
 
+def _vocab_parallel_embedding(sequence_parallel: bool) -> dict:
+    """A 2-rank VocabParallelEmbedding against the full nn.Embedding: output, weight gradient, layout."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    from parallelisms.tensor_parallel import VocabParallelEmbedding, apply_tensor_parallel
+    from tests.training_utils import gradient_placement_errors
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    full = torch.nn.Embedding(8, 3)
+    sharded = torch.nn.Embedding(8, 3)
+    sharded.load_state_dict(full.state_dict())
+    apply_tensor_parallel(sharded, mesh, {"": VocabParallelEmbedding(output_layouts=Shard(1) if sequence_parallel else Replicate())})
+    ids = torch.tensor([[0, 5, 7, 3], [4, 4, 1, 6]])  # ids of both ranks' rows, repeated ids
+    upstream = torch.randn(2, 4, 3)
+    want = full(ids)
+    (want * upstream).sum().backward()
+    rows = slice(2 * dist.get_rank(), 2 * dist.get_rank() + 2) if sequence_parallel else slice(None)
+    got = sharded(ids)
+    (got * upstream[:, rows]).sum().backward()
+    return {
+        "output_error": float((got - want[:, rows]).abs().max()),
+        "grad_error": float((sharded.weight.grad.full_tensor() - full.weight.grad).abs().max()),
+        "layout_errors": gradient_placement_errors([sharded.weight]),
+    }
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_vocab_parallel_embedding_keeps_gradient_sharded(sequence_parallel):
+    """Same output and gradient as nn.Embedding, and the gradient is the rank's row shard (torch's
+    RowwiseParallel leaves a full-size replicated gradient on every rank)."""
+    for result in run_distributed(_vocab_parallel_embedding, 2, sequence_parallel, timeout=60):
+        assert result["output_error"] < 1e-6 and result["grad_error"] < 1e-6, result
+        assert result["layout_errors"] == [], result
+
+
 def _startup_error(argv: list[str]) -> str:
     """The message of the error a Trainer raises at start-up ("" if none)."""
     from engine.config import load_config

@@ -45,14 +45,49 @@ def base_args(dump_folder: str, overrides: dict | None = None) -> list[str]:
     return argv
 
 
+def gradient_placement_errors(params) -> list[str]:
+    """Parameters whose gradient is not laid out like the parameter: a DTensor gradient must have the
+    parameter's mesh, placements and local shape (else it is e.g. a full-size replica of a sharded
+    weight), a plain gradient the parameter's shape."""
+    from torch.distributed.tensor import DTensor
+
+    errors = []
+    for param in params:
+        grad = param.grad
+        if grad is None:
+            continue
+        if isinstance(param, DTensor):
+            if not isinstance(grad, DTensor):
+                errors.append(f"{tuple(param.shape)}: plain gradient for a DTensor {param.placements}")
+            elif (grad.device_mesh, grad.placements, grad.to_local().shape) != (
+                param.device_mesh, param.placements, param.to_local().shape
+            ):
+                errors.append(f"{tuple(param.shape)}: gradient {grad.placements} local {tuple(grad.to_local().shape)}"
+                              f" vs parameter {param.placements} local {tuple(param.to_local().shape)}")
+        elif isinstance(grad, DTensor) or grad.shape != param.shape:
+            errors.append(f"{tuple(param.shape)}: gradient {type(grad).__name__} {tuple(grad.shape)}")
+    return errors
+
+
 def train_and_record(argv: list[str]) -> list[tuple[float, float]]:
-    """Build a Trainer from CLI-style arguments, train, return [(loss, grad_norm)] per step."""
+    """Build a Trainer from CLI-style arguments, train, return [(loss, grad_norm)] per step.
+
+    Before every optimizer step, every gradient must be laid out like its parameter
+    (:func:`gradient_placement_errors`): so each parity layout also checks that no rank holds more
+    gradient than its shard of the parameter.
+    """
     from engine.config import load_config
     from engine.trainer import Trainer
 
     cfg = load_config(argv)
     cfg.validate()
     trainer = Trainer(cfg)
+
+    def check_placements(optimizer, *_):
+        errors = gradient_placement_errors([p for group in optimizer.param_groups for p in group["params"]])
+        assert not errors, "gradients not laid out like their parameters: " + "; ".join(errors)
+
+    trainer.optimizer.register_step_pre_hook(check_placements)
     try:
         history = trainer.train()
     finally:

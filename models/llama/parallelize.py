@@ -29,6 +29,7 @@ from parallelisms.context_parallel import ContextParallel, apply_cp
 from parallelisms.data_parallel import apply_ddp, apply_fsdp, reshard_setting
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import (
+    VocabParallelEmbedding,
     apply_tensor_parallel,
     enable_async_tp,
     wait_async_output,
@@ -120,8 +121,9 @@ def apply_tp_llama(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: 
     DTensors whose gradients are all-reduced), each sub-block's input is all-gathered to
     ``[B, S, dim]`` and its row-parallel output reduce-scattered back to ``[B, S/tp, dim]``.
 
-    Embedding: row-parallel (vocab rows sharded; each rank looks up the ids it owns, the partial
-    embeddings are summed, or reduce-scattered onto sequence shards). Output: column-parallel over
+    Embedding: vocab-parallel (:class:`VocabParallelEmbedding`: vocab rows sharded, each rank looks up
+    the ids it owns, the partial embeddings are summed, or reduce-scattered onto sequence shards; its
+    weight gradient is the local row shard). Output: column-parallel over
     the vocab; with ``loss_parallel`` its logits stay a ``[B, S, vocab]`` DTensor sharded on the
     vocab dim (``Shard(-1)``), which the trainer's cross entropy consumes inside ``loss_parallel()``;
     without it they are all-gathered to a plain ``[B, S, vocab]`` tensor.
@@ -142,7 +144,7 @@ def apply_tp_llama(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: 
     )
     plan = {}
     if model.tok_embeddings is not None:
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+        plan["tok_embeddings"] = VocabParallelEmbedding(output_layouts=stream)
     if model.norm is not None and sequence_parallel:
         plan["norm"] = SequenceParallel()
     if model.output is not None:
