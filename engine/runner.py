@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from engine.loss import IGNORE_INDEX, token_sum_loss
 from parallelisms.context_parallel import ContextParallel
+from parallelisms.data_parallel import sync_on_last_microbatch
 from parallelisms.pipeline import PipelinePlan, build_pipeline_schedule
 from parallelisms.pipeline_timing import StageBusyTimer
 from parallelisms.tensor_parallel import loss_parallel_context, to_local
@@ -127,7 +128,29 @@ class _Runner:
 
 
 class SingleRunner(_Runner):
-    """The whole model as one part (every layout without pipeline parallel)."""
+    """The whole model as one part (every layout without pipeline parallel).
+
+    Args:
+        model_parts: ``[model]``; context: the step context.
+        sync_each_microbatch: ``parallelism.grad_sync_each_microbatch``; False reduces the
+            gradients of an accumulated step once, after its last microbatch
+            (:func:`parallelisms.data_parallel.sync_on_last_microbatch`).
+    """
+
+    def __init__(self, model_parts: list[nn.Module], context: StepContext, *, sync_each_microbatch: bool = True):
+        super().__init__(model_parts, context)
+        self.sync_each_microbatch = sync_each_microbatch
+
+    def step(self, microbatches, global_tokens):
+        """As :meth:`_Runner.step`, with one gradient reduction per step unless ``sync_each_microbatch``."""
+        if self.sync_each_microbatch or len(microbatches) == 1:
+            return super().step(microbatches, global_tokens)
+        loss = torch.zeros((), device=self.context.device)
+        with sync_on_last_microbatch(self.model_parts[0], len(microbatches)) as before_each:
+            for (inputs, labels), _ in zip(microbatches, before_each):
+                with self.context.loss_and_positions():
+                    loss += to_local(self.forward_backward(inputs, labels, global_tokens))
+        return loss
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor) -> torch.Tensor:
         """One microbatch: LongTensor[B, S] inputs/labels -> its loss contribution (detached)."""

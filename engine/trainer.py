@@ -149,7 +149,8 @@ class Trainer:
             loss_parallel=dims.tp_enabled and self.cfg.parallelism.loss_parallel,
         )
         if self.pp_plan is None:
-            return SingleRunner(self.model_parts, context)
+            return SingleRunner(self.model_parts, context,
+                                sync_each_microbatch=self.cfg.parallelism.grad_sync_each_microbatch)
         return PipelineRunner(self.pp_plan, self.model_parts, dims.mesh("pp"), context)
 
     def _build_checkpointer(self) -> CheckpointManager:

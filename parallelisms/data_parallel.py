@@ -14,6 +14,10 @@ gradients gives exactly the single-process gradient, whatever the layout.
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+from collections.abc import Iterator
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -22,6 +26,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 _RESHARD_CHOICES = ("default", "always", "never")
 # ``training.mixed_precision_param`` / ``mixed_precision_reduce`` -> the dtype FSDP2 / DDP use.
 MIXED_PRECISION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Each FSDP unit's configured reshard-after-forward (restored after a step without per-microbatch sync).
+_RESHARD_AFTER_FORWARD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def mixed_precision_policy(param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:
@@ -59,6 +65,7 @@ def shard_module(module: nn.Module, mesh: DeviceMesh, policy: MixedPrecisionPoli
     """
     fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard,
                 shard_placement_fn=shard_placement_fn)
+    _RESHARD_AFTER_FORWARD[module] = reshard
     _sum_gradients(module, backend)
 
 
@@ -142,3 +149,46 @@ def apply_ddp(
         replicate(block, mesh=dp_mesh, mp_policy=mp_policy)
     replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
     _sum_gradients(model, backend)
+
+
+@contextlib.contextmanager
+def sync_on_last_microbatch(model: nn.Module, microbatches: int) -> Iterator[Iterator[None]]:
+    """Gradient accumulation with one gradient reduction per step instead of one per microbatch.
+
+    Yields an iterator to advance once before each microbatch's forward. Every FSDP2 / DDP unit of
+    ``model`` skips its gradient reduce-scatter / all-reduce on microbatches ``1 .. A-1`` and reduces
+    the accumulated gradient after the last one (FSDP's ``set_requires_gradient_sync``, the FSDP2
+    counterpart of ``no_sync()``, Zhao et al. 2023, arXiv 2304.11277 §3.3). FSDP units also keep their
+    weights gathered for the whole step (no reshard after forward or backward until the last
+    backward), so a step costs one all-gather and one reduce-scatter per unit whatever the number
+    of microbatches A (per microbatch otherwise: 2 all-gathers with resharding, and a reduce-scatter).
+
+    Memory cost: for the whole step every rank holds the unsharded parameters (in the compute dtype)
+    and unsharded gradients (in the reduce dtype) of the model: P·(b_param + b_reduce) bytes for P
+    parameters instead of 1/dp_shard of it; DDP already holds them. Optimizer state stays sharded.
+
+    Args:
+        model: the model part (FSDP/DDP units anywhere below it; none: nothing changes).
+        microbatches: A, the microbatches of the step.
+    """
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    sharded = [u for u in units if u in _RESHARD_AFTER_FORWARD]  # DDP units never reshard
+
+    def advance() -> Iterator[None]:
+        for index in range(microbatches):
+            last = index == microbatches - 1
+            for unit in units:
+                unit.set_requires_gradient_sync(last, recurse=False)
+            for unit in sharded:
+                unit.set_reshard_after_forward(False, recurse=False)
+                unit.set_reshard_after_backward(last, recurse=False)
+            yield
+
+    try:
+        yield advance()
+    finally:
+        for unit in units:
+            unit.set_requires_gradient_sync(True, recurse=False)
+        for unit in sharded:
+            unit.set_reshard_after_forward(_RESHARD_AFTER_FORWARD[unit], recurse=False)
+            unit.set_reshard_after_backward(True, recurse=False)

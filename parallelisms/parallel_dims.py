@@ -203,3 +203,8 @@ class ParallelDims:
     @property
     def mesh_built(self) -> bool:
         return bool(self._meshes)
+
+    @property
+    def meshes(self) -> dict[str, DeviceMesh]:
+        """Every built mesh by name (see :meth:`mesh`); empty for a single process."""
+        return dict(self._meshes)

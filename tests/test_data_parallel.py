@@ -21,14 +21,18 @@ LAYOUTS = {
     "fsdp2_accum2": (2, {"parallelism.dp_shard": 2, "training.local_batch_size": 2}),
     "fsdp4": (4, {"parallelism.dp_shard": 4, "training.local_batch_size": 2}),
     "hsdp2x2": (4, {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 2, "training.local_batch_size": 2}),
-    "hsdp2x2_accum2": (
+    "fsdp2_accum2_sync_last": (2, {"parallelism.dp_shard": 2, "training.local_batch_size": 2,
+                                   "parallelism.grad_sync_each_microbatch": "false"}),
+    "hsdp2x2_accum2_sync_last": (
         4,
-        {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 2, "training.local_batch_size": 1},
+        {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 2, "training.local_batch_size": 1,
+         "parallelism.grad_sync_each_microbatch": "false"},
     ),
     "ddp2": (2, {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 1, "training.local_batch_size": 4}),
-    "ddp2_accum2": (
+    "ddp2_accum2_sync_last": (
         2,
-        {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 1, "training.local_batch_size": 2},
+        {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 1, "training.local_batch_size": 2,
+         "parallelism.grad_sync_each_microbatch": "false"},
     ),
     "ddp2_x_tp2": (4, {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 1, "parallelism.tp": 2,
                        "training.local_batch_size": 4}),

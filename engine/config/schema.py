@@ -145,6 +145,9 @@ class ParallelismSection:
     ep: int = _opt(1, "expert-parallel degree (MoE models)")
     fsdp_reshard_after_forward: str = _opt("default", "default|always|never",
                                            choices=("default", "always", "never"))
+    grad_sync_each_microbatch: bool = _opt(
+        True, "with gradient accumulation: reduce gradients after every microbatch (false: only after "
+              "the last; FSDP then keeps parameters and gradients unsharded for the whole step)")
     sequence_parallel: bool = _opt(True, "with tp > 1: norms run on sequence shards, all-reduces become "
                                          "all-gather + reduce-scatter (less activation memory)")
     loss_parallel: bool = _opt(True, "with tp > 1: cross entropy on vocab-sharded logits (no full logits per rank)")

@@ -57,6 +57,9 @@ def range_problems(cfg) -> list[str]:
         (not ac_ok, "activation_checkpoint.selective_ac_option", ac.selective_ac_option,
          'must be "op" or a positive integer N (checkpoint every N-th block), e.g. "2"'),
     ]
+    checks.append((p.pp > 1 and not p.grad_sync_each_microbatch, "parallelism.grad_sync_each_microbatch", False,
+                   "has no effect with pp > 1 (the pipeline schedule reduces gradients once per step "
+                   "itself); leave it true"))
     checks += checkpoint_problems(cfg.checkpoint)
     for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
         degree = getattr(p, name)
