@@ -38,7 +38,8 @@ parallelism.cp_load_balance parallelism.tp parallelism.pp
 parallelism.pp_schedule parallelism.pp_microbatch_size parallelism.pp_stages_per_rank
 parallelism.pp_layers_per_stage parallelism.pp_split_points parallelism.pp_input_weight
 parallelism.pp_output_weight
-parallelism.ep parallelism.fsdp_reshard_after_forward parallelism.sequence_parallel
+parallelism.ep parallelism.fsdp_reshard_after_forward parallelism.grad_sync_each_microbatch
+parallelism.sequence_parallel
 parallelism.loss_parallel parallelism.async_tp
 comm.backend comm.init_timeout_seconds
 checkpoint.enable checkpoint.folder checkpoint.interval checkpoint.keep_latest_k checkpoint.async_mode
