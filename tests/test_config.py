@@ -287,6 +287,8 @@ def _invalid(**overrides) -> str:
     (dict(parallelism__tp=-1), ("parallelism.tp = -1", ">= 1")),
     (dict(parallelism__pp=0), ("parallelism.pp = 0", ">= 1")),
     (dict(parallelism__ep=0), ("parallelism.ep = 0", ">= 1")),
+    (dict(parallelism__pp=2, parallelism__grad_sync_each_microbatch=False),
+     ("parallelism.grad_sync_each_microbatch = false", "pp > 1", "leave it true")),
     (dict(metrics__log_freq=0), ("metrics.log_freq = 0", "> 0")),
     (dict(validation__enable=True, validation__freq=0), ("validation.freq = 0", "validation.enable")),
     (dict(validation__steps=0), ("validation.steps = 0", "-1")),
