@@ -230,13 +230,15 @@ class MetricsLogger:
             "data_pct": data_pct, "step_time_s": step_time, "eta_s": eta,
         }
 
-    def log(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+    def log(self, step: int, metrics: dict[str, Any], files_only: dict[str, Any] | None = None) -> dict[str, Any]:
         """Close the log interval at ``step``: print, write TensorBoard and metrics.jsonl.
 
         Args:
             step: 1-based optimizer step just finished.
             metrics: scalars from the trainer, typically ``loss`` (global mean per token),
                 ``grad_norm`` and ``lr``; floats, ints, scalar tensors or None (printed "n/a").
+            files_only: more scalars for metrics.jsonl and TensorBoard, not printed (e.g. the
+                ``time_*_s`` attribution of engine/attribution.py).
 
         Returns:
             The full record (also on non-logging ranks): ``step``, the trainer's metrics and
@@ -247,11 +249,13 @@ class MetricsLogger:
         Raises:
             ValueError: a metric key that the logger computes itself; TypeError: a non-scalar.
         """
-        clash = sorted(set(metrics) & set(_COMPUTED_KEYS))
+        files_only = files_only or {}
+        clash = sorted((set(metrics) | set(files_only)) & set(_COMPUTED_KEYS))
         if clash:
             raise ValueError(f"metrics keys {clash} are computed by MetricsLogger; rename them")
         record: dict[str, Any] = {"step": step}
         record.update({k: _to_float(k, v) for k, v in metrics.items()})
+        record.update({k: _to_float(k, v) for k, v in files_only.items()})
         record.update(self._interval_metrics(step))
         record.update(device_memory_stats(self.device, reset=True))
         self._reset_interval()

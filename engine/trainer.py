@@ -12,6 +12,7 @@ per step lives in engine/runner.py; see engine/docs/architecture.md for the whol
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import logging
 import math
@@ -21,6 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from engine.attribution import CommTimer, comm_seconds_by_dim, step_attribution
 from engine.checkpoint import CheckpointManager
 from engine.config import JobConfig, config_to_toml
 from engine.data import build_dataloader, build_validation_dataloader
@@ -36,6 +38,7 @@ from engine.runner import PipelineRunner, SingleRunner, StepContext
 from engine.signals import StopRequest
 from models.registry import load_ref
 from parallelisms.context_parallel import ContextParallel
+from parallelisms.comm_counter import group_names_by_mesh_dim
 from parallelisms.grad_norm import clip_grad_norm_
 from parallelisms.pipeline_plan import plan_model_pipeline
 
@@ -73,6 +76,7 @@ class Trainer:
         self.global_batch_size = setup.global_batch_size
         if self.dist.is_distributed:
             self.parallel_dims.build_mesh(self.device.type)
+        self._group_dims = group_names_by_mesh_dim(self.parallel_dims)  # for time attribution
         self.dp_rank = self.parallel_dims.mesh("dp").get_local_rank() if self.dist.is_distributed else 0
         self.context_parallel = self._build_context_parallel()
         self.pp_plan = self._plan_pipeline()
@@ -188,24 +192,44 @@ class Trainer:
             dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.parallel_dims.mesh("dp_cp").get_group())
         return value
 
+    def _measures_time(self) -> bool:
+        """Whether the coming step is attributed (engine/attribution.py): a logged step, with
+        ``metrics.time_attribution`` on and no compiled code (dispatch modes do not mix with it)."""
+        return (self.cfg.metrics.time_attribution and not self.cfg.compile.enable
+                and self.metrics.should_log(self.step + 1))
+
+    def _phase_clock(self) -> float:
+        """perf_counter after the device finished its queued work (CUDA kernels run asynchronously)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
     def train_step(self) -> dict:
-        """One optimizer step over ``grad_accum_steps`` microbatches; returns loss, grad_norm and timings."""
-        data_start = time.perf_counter()
+        """One optimizer step over ``grad_accum_steps`` microbatches; returns loss, grad_norm and timings
+        (on attributed steps also ``phases``, the input of ``engine.attribution.step_attribution``)."""
+        measure = self._measures_time()
+        clock = self._phase_clock if measure else time.perf_counter
+        timers = [CommTimer(), CommTimer()] if measure and self.dist.is_distributed else None
+        data_start = clock()
         microbatches = [self.runner.context.shard(*self.dataloader.next_batch()) for _ in range(self.grad_accum_steps)]
-        data_seconds = time.perf_counter() - data_start
+        data_seconds = clock() - data_start
         local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches)
         global_tokens = self._dp_sum(torch.tensor(float(local_tokens), device=self.device))
 
-        compute_start = time.perf_counter()
-        loss = self.runner.step(microbatches, global_tokens)
-        compute_seconds = time.perf_counter() - compute_start
-        params = [p for part in self.model_parts for p in part.parameters()]
-        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_group=self.runner.pp_group)
-        lr = self.lr_scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        model_metrics = self.runner.post_optimizer_step()
-        self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        compute_start = clock()
+        with timers[0] if timers else contextlib.nullcontext():
+            loss = self.runner.step(microbatches, global_tokens)
+            compute_seconds = clock() - compute_start
+        optimizer_start = clock()
+        with timers[1] if timers else contextlib.nullcontext():
+            params = [p for part in self.model_parts for p in part.parameters()]
+            grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_group=self.runner.pp_group)
+            lr = self.lr_scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            model_metrics = self.runner.post_optimizer_step()
+            self.lr_scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            optimizer_seconds = clock() - optimizer_start
         self.step += 1
 
         loss = self.runner.sum_over_stages(self._dp_sum(loss)).item()
@@ -221,6 +245,14 @@ class Trainer:
                   "epoch": self.dataloader.epoch, "model_metrics": model_metrics}
         if isinstance(self.runner, PipelineRunner):
             record["pp_bubble_fraction"] = self.runner.bubble_fraction(compute_seconds)
+        if measure:
+            groups = self._group_dims
+            record["phases"] = {
+                "data_s": data_seconds, "forward_backward_s": compute_seconds, "optimizer_s": optimizer_seconds,
+                "comm_forward_backward": comm_seconds_by_dim(timers[0].seconds, groups) if timers else {},
+                "comm_optimizer": comm_seconds_by_dim(timers[1].seconds, groups) if timers else {},
+                "idle_s": record.get("pp_bubble_fraction", 0.0) * compute_seconds,
+            }
         return record
 
     # ------------------------------------------------------------------ evaluation
@@ -273,7 +305,9 @@ class Trainer:
                 if self.metrics.should_log(self.step):
                     keys = ("loss", "grad_norm", "lr", "epoch", "pp_bubble_fraction")
                     logged = {key: record[key] for key in keys if key in record}
-                    self.metrics.log(self.step, {**logged, **record["model_metrics"]})
+                    phases = record.pop("phases", None)
+                    times = step_attribution(step_s=record["step_seconds"], **phases) if phases else {}
+                    self.metrics.log(self.step, {**logged, **record["model_metrics"]}, files_only=times)
                 if gc_freq > 0 and self.step % gc_freq == 0:
                     gc.collect(1)
                 v = self.cfg.validation

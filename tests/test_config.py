@@ -45,7 +45,7 @@ comm.backend comm.init_timeout_seconds
 checkpoint.enable checkpoint.folder checkpoint.interval checkpoint.keep_latest_k checkpoint.async_mode
 checkpoint.load_step checkpoint.initial_load_path checkpoint.initial_load_model_only
 metrics.log_freq metrics.enable_tensorboard metrics.save_tb_folder metrics.peak_tflops
-metrics.log_all_ranks
+metrics.log_all_ranks metrics.time_attribution
 activation_checkpoint.mode activation_checkpoint.selective_ac_option
 compile.enable compile.backend
 """.split()
