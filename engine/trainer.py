@@ -34,6 +34,7 @@ from engine.metrics import MetricsLogger
 from engine.model_builder import build_model_parts
 from engine.optimizer import build_optimizer
 from engine.preflight import check_setup
+from engine.profiling import StepProfiler
 from engine.runner import PipelineRunner, SingleRunner, StepContext
 from engine.signals import StopRequest
 from models.registry import load_ref
@@ -95,6 +96,7 @@ class Trainer:
         if self.dist.rank == 0:
             self._write_run_config()
         self.metrics = self._build_metrics()
+        self.profiler = StepProfiler(cfg.profiling, self.run_folder, self.dist.rank, self.device)
         self.stop_request = StopRequest(self.device, self.dist.is_distributed)
         self.stopped_by: str | None = None
         self.stop_saved = False
@@ -294,8 +296,14 @@ class Trainer:
             self.stopped_by = self.stop_request.agreed()  # a signal during set-up: train no step
             while self.step < last and not self.stopped_by:
                 start = time.perf_counter()
-                record = self.train_step()
+                self.profiler.step_begin(self.step + 1)
+                try:
+                    record = self.train_step()
+                except torch.OutOfMemoryError:
+                    self.profiler.dump_memory_snapshot(self.step + 1)
+                    raise
                 record["step_seconds"] = time.perf_counter() - start
+                self.profiler.step_end(self.step)
                 record["step"] = self.step
                 self.tokens_seen += record["global_tokens"]
                 self.history.append(record)
@@ -330,4 +338,5 @@ class Trainer:
         if wait:
             self.checkpointer.close()
         self.stop_request.restore()
+        self.profiler.close()
         self.metrics.close()

@@ -48,6 +48,7 @@ metrics.log_freq metrics.enable_tensorboard metrics.save_tb_folder metrics.peak_
 metrics.log_all_ranks metrics.time_attribution
 activation_checkpoint.mode activation_checkpoint.selective_ac_option
 compile.enable compile.backend
+profiling.enable profiling.start_step profiling.num_steps profiling.traces_folder profiling.memory_snapshot
 """.split()
 
 
@@ -287,6 +288,8 @@ def _invalid(**overrides) -> str:
     (dict(parallelism__tp=-1), ("parallelism.tp = -1", ">= 1")),
     (dict(parallelism__pp=0), ("parallelism.pp = 0", ">= 1")),
     (dict(parallelism__ep=0), ("parallelism.ep = 0", ">= 1")),
+    (dict(profiling__enable=True, profiling__start_step=0), ("profiling.start_step = 0", ">= 1")),
+    (dict(profiling__enable=True, profiling__num_steps=0), ("profiling.num_steps = 0", ">= 1")),
     (dict(parallelism__pp=2, parallelism__grad_sync_each_microbatch=False),
      ("parallelism.grad_sync_each_microbatch = false", "pp > 1", "leave it true")),
     (dict(metrics__log_freq=0), ("metrics.log_freq = 0", "> 0")),

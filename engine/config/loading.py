@@ -33,7 +33,7 @@ from engine.config.validation import config_warnings, range_problems
 from engine.config.schema import (  # the section dataclasses, re-exported for type hints
     ActivationCheckpointSection, CheckpointSection, CommSection, CompileSection, DataSection,
     JobSection, LRSchedulerSection, MetricsSection, ModelSection, OptimizerSection,
-    ParallelismSection, TrainingSection, ValidationSection,
+    ParallelismSection, ProfilingSection, TrainingSection, ValidationSection,
 )
 
 __all__ = [
@@ -66,6 +66,7 @@ class JobConfig:
     metrics: MetricsSection = field(default_factory=MetricsSection)
     activation_checkpoint: ActivationCheckpointSection = field(default_factory=ActivationCheckpointSection)
     compile: CompileSection = field(default_factory=CompileSection)
+    profiling: ProfilingSection = field(default_factory=ProfilingSection)
 
     @property
     def run_folder(self) -> str:

@@ -205,6 +205,18 @@ class ActivationCheckpointSection:
 
 
 @dataclass
+class ProfilingSection:
+    """``[profiling]``: torch.profiler traces of chosen steps and CUDA memory snapshots (engine/profiling.py)."""
+
+    enable: bool = _opt(False, "trace steps start_step .. start_step + num_steps - 1 with torch.profiler")
+    start_step: int = _opt(3, "first traced step (1-based; later than 1 keeps start-up cost out of the trace)")
+    num_steps: int = _opt(1, "traced steps, in one trace file per rank")
+    traces_folder: str = _opt("profile_traces", "trace folder, relative to the run folder (rank<r>_step<a>-<b>.json)")
+    memory_snapshot: bool = _opt(False, "CUDA: record allocations and dump a snapshot after the traced steps "
+                                        "and on out-of-memory (open at https://pytorch.org/memory_viz)")
+
+
+@dataclass
 class CompileSection:
     """``[compile]``: torch.compile of each transformer block."""
 

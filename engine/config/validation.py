@@ -60,6 +60,11 @@ def range_problems(cfg) -> list[str]:
     checks.append((p.pp > 1 and not p.grad_sync_each_microbatch, "parallelism.grad_sync_each_microbatch", False,
                    "has no effect with pp > 1 (the pipeline schedule reduces gradients once per step "
                    "itself); leave it true"))
+    prof = cfg.profiling
+    checks += [
+        (prof.enable and prof.start_step < 1, "profiling.start_step", prof.start_step, "must be >= 1 (a 1-based step)"),
+        (prof.enable and prof.num_steps < 1, "profiling.num_steps", prof.num_steps, "must be >= 1"),
+    ]
     checks += checkpoint_problems(cfg.checkpoint)
     for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
         degree = getattr(p, name)
@@ -80,6 +85,10 @@ def config_warnings(cfg) -> list[str]:
             f"lr_scheduler.warmup_steps = {s.warmup_steps} does not fit in training.steps = {t.steps}: "
             f"warming up over {warmup} steps instead{leaves}"
         )
+    prof = cfg.profiling
+    if prof.enable and prof.start_step > t.steps > 0:
+        warnings.append(f"profiling.start_step = {prof.start_step} is after the last step (training.steps = "
+                        f"{t.steps}): nothing will be traced")
     return warnings
 
 
