@@ -1,0 +1,248 @@
+#!/usr/bin/env python
+"""The engine's performance ratios on the machine at hand: one table, and JSON with every sample.
+
+    python scripts/benchmark.py --quick                 # about 5 minutes on 2 cores
+    python scripts/benchmark.py --json bench.json       # more rounds; also writes the JSON
+    python scripts/benchmark.py --only loop,scaling     # some cases
+
+Cases (debugmodel, fp32, CPU, gloo; one intra-op thread per rank):
+- ``loop``: the engine's step vs a bare PyTorch loop (same model class, weights, tokens, fused AdamW,
+  ``clip_grad_norm_``), alternating blocks of steps in one process; and clipping alone: the engine's
+  ``clip_grad_norm_`` vs ``torch.nn.utils.clip_grad_norm_`` on the same gradients.
+- ``scaling``: tokens/s at W = 2 for FSDP2, DDP and TP over W = 1, divided by the machine's
+  2-process ceiling (two independent one-process runs at once over one alone); runs interleaved by
+  round. Also the engine's clipping under TP 2 vs torch's at one process.
+- ``comm``: collective bytes per rank per step, counted by a dispatch mode
+  (parallelisms/comm_counter.py), against the exact formulas; also FSDP with 2 microbatches,
+  reducing after each microbatch or only after the last (``parallelism.grad_sync_each_microbatch``).
+- ``memory``: per-rank parameter + gradient + optimizer bytes under FSDP2 at W = 2 over W = 1 (1/W
+  expected); and the peak RSS cost of ``grad_sync_each_microbatch = false``.
+- ``ac_compile``: step time with activation checkpointing (full, selective) and with compile
+  (inductor where a C++ compiler exists, else aot_eager), over eager without AC.
+
+Discipline (scripts/benchmarks/harness.py): refuses to start a case while other processes use more
+than ``--max-load`` of the cores, drops warm-up steps, interleaves variants, reports medians with the
+inter-quartile spread. Not part of the test suite (minutes, and machine-dependent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from scripts.benchmarks import runs  # noqa: E402
+from scripts.benchmarks.harness import MachineBusyError, Stat, guard_load, interleave, ratio_stat  # noqa: E402
+from tests.dist_utils import run_distributed  # noqa: E402
+
+CASES = ("loop", "scaling", "comm", "memory", "ac_compile")
+FSDP2 = {"parallelism.dp_shard": 2}
+DDP2 = {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 1}
+TP2 = {"parallelism.tp": 2, "parallelism.dp_shard": 1}
+
+
+class Bench:
+    """Shared settings of one benchmark invocation and its collected rows / JSON."""
+
+    def __init__(self, args):
+        self.quick = args.quick
+        self.rounds = 3 if args.quick else 6
+        self.steps = 3 if args.quick else 5
+        self.warmup = 2
+        self.seq_len, self.local_batch_size = args.seq_len, args.local_batch_size
+        self.max_load = args.max_load
+        self.folder = tempfile.mkdtemp(prefix="quadra_bench_")
+        self.rows: list[tuple[str, str, str]] = []  # (case, what, value)
+        self.results: dict = {"settings": {"seq_len": self.seq_len, "local_batch_size": self.local_batch_size,
+                                           "rounds": self.rounds, "steps": self.steps, "quick": self.quick},
+                              "load": {}}
+
+    def argv(self, name: str, overrides: dict) -> list[str]:
+        return runs.engine_args(os.path.join(self.folder, name), overrides, seq_len=self.seq_len,
+                                local_batch_size=self.local_batch_size)
+
+    def row(self, case: str, what: str, value: str) -> None:
+        self.rows.append((case, what, value))
+        print(f"  {what:<58} {value}", flush=True)
+
+    def timed(self, name: str, world_size: int, overrides: dict, *, independent: bool = False, **options):
+        """Per-rank results of ``runs.timed_engine_run`` (``independent``: one-process runs side by
+        side, no process group); ``options``: count_comm, state_bytes."""
+        return run_distributed(_timed_with_options, world_size, self.argv(name, overrides), self.steps,
+                               self.warmup, options, timeout=600, torchrun_env=not independent)
+
+
+def _timed_with_options(argv, steps, warmup, options):
+    return runs.timed_engine_run(argv, steps, warmup, **options)
+
+
+def _fmt_ratio(stat: Stat) -> str:
+    return f"{stat.median:.3f}x  (p25-p75 {stat.p25:.3f}-{stat.p75:.3f}, n={stat.n})"
+
+
+def case_loop(b: Bench) -> None:
+    result = run_distributed(runs.engine_vs_bare_loop, 1, b.argv("loop", {}), b.rounds * 2, b.steps, b.warmup,
+                             torchrun_env=False, timeout=900)[0]
+    step = ratio_stat(result["engine_s"], result["bare_s"])
+    clip = ratio_stat(result["clip_ours_s"], result["clip_torch_s"])
+    b.results["loop"] = {**result, "engine_over_bare": step.as_dict(), "clip_ours_over_torch": clip.as_dict()}
+    b.row("loop", "engine step / bare PyTorch loop (1 process)", _fmt_ratio(step))
+    b.row("loop", "engine clip_grad_norm_ / torch's (1 process)", _fmt_ratio(clip))
+
+
+def case_scaling(b: Bench) -> None:
+    variants = {
+        "single": lambda: b.timed("single", 1, {}, independent=True)[0]["step_s"],
+        "ceiling": lambda: [t for rank in b.timed("ceiling", 2, {}, independent=True) for t in rank["step_s"]],
+        "fsdp2": lambda: b.timed("fsdp2", 2, FSDP2)[0]["step_s"],
+        "ddp2": lambda: b.timed("ddp2", 2, DDP2)[0]["step_s"],
+        "tp2": lambda: b.timed("tp2", 2, TP2)[0]["step_s"],
+    }
+    samples = interleave(variants, b.rounds)
+    single = Stat.of(samples["single"]).median
+    # Tokens per step: dp layouts process 2 local batches, TP and a single process 1.
+    ceiling = 2 * single / Stat.of(samples["ceiling"]).median
+    out = {"samples": samples, "ceiling": ceiling}
+    b.row("scaling", "2-process ceiling (2 independent runs / 1 alone)", f"{ceiling:.3f}x")
+    for name, tokens_factor in (("fsdp2", 2), ("ddp2", 2), ("tp2", 1)):
+        speedup = ratio_stat(samples["single"], samples[name])
+        speedup.median *= tokens_factor
+        speedup.p25 *= tokens_factor
+        speedup.p75 *= tokens_factor
+        out[name] = {"speedup": speedup.as_dict(), "of_ceiling": speedup.median / ceiling}
+        b.row("scaling", f"{name}: tokens/s over 1 process", f"{_fmt_ratio(speedup)}  = {speedup.median / ceiling:.0%} of ceiling")
+    tp_clip = run_distributed(runs.clip_under_layout, 2, b.argv("tp2_clip", TP2), b.rounds * b.steps * 4, timeout=600)[0]
+    out["tp2_clip_s"] = tp_clip["clip_s"]
+    b.results["scaling"] = out
+    torch_clip = b.results.get("loop", {}).get("clip_torch_s")
+    if torch_clip:
+        b.row("scaling", "engine clip under TP 2 / torch's clip at 1 process", _fmt_ratio(ratio_stat(tp_clip["clip_s"], torch_clip)))
+
+
+def _fsdp_formula(param_bytes: int, block_bytes: int, n_layers: int, microbatches: int, sync_each: bool) -> dict:
+    """FSDP2 bytes per rank per step (payload): every unit all-gathers its weights in forward and,
+    when resharded after forward (every block but the last; the root keeps them), again in backward;
+    gradients are reduce-scattered once per reduction."""
+    gathers = param_bytes + (n_layers - 1) * block_bytes
+    if sync_each:
+        return {"all_gather": microbatches * gathers, "reduce_scatter": microbatches * param_bytes}
+    return {"all_gather": param_bytes, "reduce_scatter": param_bytes}
+
+
+def case_comm(b: Bench) -> None:
+    out = {}
+    for name, world, overrides in (("fsdp2", 2, FSDP2), ("ddp2", 2, DDP2), ("tp2", 2, TP2),
+                                   ("fsdp2_accum2_each", 2, {**FSDP2, "training.local_batch_size": b.local_batch_size // 2,
+                                                             "training.global_batch_size": 2 * b.local_batch_size}),
+                                   ("fsdp2_accum2_last", 2, {**FSDP2, "training.local_batch_size": b.local_batch_size // 2,
+                                                             "training.global_batch_size": 2 * b.local_batch_size,
+                                                             "parallelism.grad_sync_each_microbatch": "false"})):
+        r = b.timed(f"comm_{name}", world, overrides, count_comm=True)[0]
+        comm, P, Pb, L = r["comm"], r["param_bytes"], r["block_bytes"], r["model_args"]["n_layers"]
+        D = r["model_args"]["dim"]
+        if name.startswith("fsdp2"):
+            micro = 2 if "accum2" in name else 1
+            want = _fsdp_formula(P, Pb, L, micro, sync_each=not name.endswith("last"))
+            got = {k: comm.get(f"dp_shard_cp:{k}", 0) + comm.get(f"dp_shard:{k}", 0) for k in want}
+        elif name == "ddp2":
+            want = {"all_reduce": P}
+            got = {"all_reduce": comm.get("dp_replicate:all_reduce", 0)}
+        else:
+            # Sequence parallel: per block 2 all-gathers + 2 reduce-scatters of [B, S, D] in forward and
+            # as many in backward; the embedding (reduce-scatter / all-gather) and the output layer
+            # (all-gather / reduce-scatter) add 2 each. fp32 activations.
+            act = b.local_batch_size * b.seq_len * D * 4
+            want = {"all_gather+reduce_scatter": (8 * L + 4) * act}
+            got = {"all_gather+reduce_scatter": comm.get("tp:all_gather", 0) + comm.get("tp:reduce_scatter", 0)}
+        out[name] = {"counted": comm, "formula": want, "compared": got}
+        for key in want:
+            ratio = got[key] / want[key] if want[key] else float("nan")
+            b.row("comm", f"{name} {key} bytes/rank/step counted / formula", f"{got[key]:,} / {want[key]:,} = {ratio:.4f}")
+    b.results["comm"] = out
+
+
+def case_memory(b: Bench) -> None:
+    single = run_distributed(_timed_with_options, 1, b.argv("mem1", {}), 1, 1, {"state_bytes": True},
+                             torchrun_env=False, timeout=600)[0]["state"]
+    sharded = b.timed("mem_fsdp2", 2, FSDP2, state_bytes=True)
+    out = {"single": single, "fsdp2": [r["state"] for r in sharded]}
+    for kind in ("params", "grads", "optimizer"):
+        ratio = max(r["state"][kind] for r in sharded) / single[kind]
+        b.row("memory", f"FSDP2 W=2 {kind} bytes per rank / W=1", f"{ratio:.4f}  (1/W = 0.5)")
+    accum = {"training.local_batch_size": b.local_batch_size // 2, "training.global_batch_size": 2 * b.local_batch_size}
+    rss = {}
+    for sync in ("true", "false"):
+        ranks = b.timed(f"mem_sync_{sync}", 2, {**FSDP2, **accum, "parallelism.grad_sync_each_microbatch": sync})
+        rss[sync] = max(r["max_rss_bytes"] for r in ranks)
+    # Held over the whole step: unsharded fp32 parameters and gradients, 2·P bytes at most (the
+    # default mode holds one or two blocks' worth of them transiently).
+    bound = 2 * single["params"]
+    out["peak_rss"] = rss
+    out["sync_last_extra_bytes_bound"] = bound
+    b.row("memory", "grad_sync_each_microbatch=false: extra peak RSS per rank",
+          f"{(rss['false'] - rss['true']) / 2**20:.1f} MiB measured (<= 2*P = {bound / 2**20:.1f} MiB)")
+    b.results["memory"] = out
+
+
+def case_ac_compile(b: Bench) -> None:
+    backend = "inductor" if shutil.which(os.environ.get("CXX", "g++")) else "aot_eager"
+    variants = {"eager": {}, "ac_full": {"activation_checkpoint.mode": "full"},
+                "ac_selective": {"activation_checkpoint.mode": "selective"},
+                f"compile_{backend}": {"compile.enable": "true", "compile.backend": backend}}
+    samples = interleave({name: (lambda o=o, n=name: b.timed(n, 1, o, independent=True)[0]["step_s"])
+                          for name, o in variants.items()}, max(2, b.rounds // 2))
+    out = {"samples": samples}
+    for name in variants:
+        if name != "eager":
+            stat = ratio_stat(samples[name], samples["eager"])
+            out[name] = stat.as_dict()
+            b.row("ac_compile", f"{name} step / eager", _fmt_ratio(stat))
+    b.results["ac_compile"] = out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds: about 5 minutes on 2 cores")
+    parser.add_argument("--json", help="write every sample and ratio here")
+    parser.add_argument("--only", default=",".join(CASES), help=f"comma-separated cases of {','.join(CASES)}")
+    parser.add_argument("--seq_len", type=int, default=256)
+    parser.add_argument("--local_batch_size", type=int, default=4)
+    parser.add_argument("--max-load", type=float, default=0.25,
+                        help="refuse to measure while other processes use more than this fraction of the cores")
+    args = parser.parse_args(argv)
+    cases = [c.strip() for c in args.only.split(",") if c.strip()]
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown:
+        parser.error(f"--only: unknown case(s) {unknown}; choose from {','.join(CASES)}")
+    import engine.trainer  # noqa: F401 - imported once; the forked ranks inherit it
+
+    bench = Bench(args)
+    try:
+        for case in cases:
+            bench.results["load"][case] = guard_load(args.max_load, f"case {case}")
+            print(f"[{case}] (other load {bench.results['load'][case]:.0%})", flush=True)
+            globals()[f"case_{case}"](bench)
+    except MachineBusyError as error:
+        print(f"benchmark refused: {error}", file=sys.stderr)
+        return 3
+    finally:
+        shutil.rmtree(bench.folder, ignore_errors=True)
+    print("\n| case | measurement | value |\n| --- | --- | --- |")
+    for case, what, value in bench.rows:
+        print(f"| {case} | {what} | {value} |")
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(bench.results, file, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
