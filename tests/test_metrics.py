@@ -26,24 +26,33 @@ def _logger(tmp_path, **kw):
     return MetricsLogger(cfg, str(tmp_path), **args)
 
 
-@pytest.mark.parametrize("name, tflops", [
-    ("NVIDIA A100-SXM4-80GB", 312.0),
-    ("NVIDIA A100 80GB PCIe", 312.0),
-    ("NVIDIA H100 80GB HBM3", 989.0),
-    ("NVIDIA H100 PCIe", 756.0),
-    ("NVIDIA H100 NVL", 835.0),
-    ("NVIDIA H200", 989.0),
-    ("NVIDIA B200", 2250.0),
-    ("NVIDIA GB200", 2500.0),
-    ("NVIDIA L40S", 362.0),
-    ("NVIDIA L4", 121.0),
-    ("NVIDIA A10G", 125.0),
-    ("AMD Instinct MI300X", 1307.4),
-    ("NVIDIA RTX A4000", None),  # must not match "A40"
-    ("Tesla V100-SXM2-16GB", None),  # no bf16
+# Dense bf16 tensor-core peak = SMs x dense FLOPs per clock per SM x boost clock, from NVIDIA's
+# architecture whitepapers (A100: 108 SMs, 2048 FLOP/clk/SM, 1.41 GHz; H100 SXM5 and H200: 132 SMs,
+# 4096 FLOP/clk/SM, 1.83 GHz; H100 PCIe: 114 SMs, 1.62 GHz): the table must agree within 0.5 %.
+@pytest.mark.parametrize("name, sms, flops_per_clock, ghz", [
+    ("NVIDIA A100-SXM4-80GB", 108, 2048, 1.41),
+    ("NVIDIA A100 80GB PCIe", 108, 2048, 1.41),
+    ("NVIDIA H100 80GB HBM3", 132, 4096, 1.83),
+    ("NVIDIA H200", 132, 4096, 1.83),
+    ("NVIDIA H100 PCIe", 114, 4096, 1.62),
 ])
-def test_peak_tflops_table(name, tflops):
-    assert lookup_peak_tflops(name) == tflops
+def test_peak_tflops_follow_the_chip(name, sms, flops_per_clock, ghz):
+    assert lookup_peak_tflops(name) == pytest.approx(sms * flops_per_clock * ghz / 1e3, rel=5e-3)
+
+
+def test_peak_table_patterns_cannot_shadow_each_other():
+    """First match wins, so a pattern that occurs inside a later one ("H100" in "H100 NVL") must come
+    after it; and a GPU name matches only whole tokens."""
+    from engine.flops import PEAK_BF16_TFLOPS
+
+    patterns = [pattern for pattern, _ in PEAK_BF16_TFLOPS]
+    assert len(set(patterns)) == len(patterns)
+    for i, earlier in enumerate(patterns):
+        for later in patterns[i + 1:]:
+            assert lookup_peak_tflops(f"NVIDIA {later}") == dict(PEAK_BF16_TFLOPS)[later], (earlier, later)
+    assert lookup_peak_tflops("NVIDIA RTX A4000") is None  # not "A40"
+    assert lookup_peak_tflops("NVIDIA GB200") == dict(PEAK_BF16_TFLOPS)["GB200"]  # not "B200"
+    assert lookup_peak_tflops("Tesla V100-SXM2-16GB") is None  # no bf16 tensor cores
 
 
 def test_get_peak_flops(caplog):

@@ -14,8 +14,8 @@ import pytest
 from tests.training_utils import REPO
 
 
-def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, NGPU="2", OMP_NUM_THREADS="1")
+def _run(args: list[str], timeout: float = 300, **env_vars: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, NGPU="2", OMP_NUM_THREADS="1", **env_vars)
     env.pop("CONFIG_FILE", None)
     return subprocess.run(
         [os.path.join(REPO, "run_train.sh"), *args, "--job.device", "cpu"],  # gloo ranks even on a GPU machine
@@ -122,10 +122,14 @@ def test_error_only_the_ranks_can_find_is_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_two_steps_of_the_default_config_run(tmp_path):
-    """Smoke runs work: the debug config's warmup (10 steps) is clamped to the run with one warning."""
-    run = _run(["--job.dump_folder", str(tmp_path), "--training.steps", "2", "--job.print_config", "false"])
+    """Smoke runs work: the debug config's warmup (10 steps) is clamped to the run with one warning.
+    LOG_RANKS=1 shows rank 1's output only (here every rank logs its steps: metrics.log_all_ranks)."""
+    run = _run(["--job.dump_folder", str(tmp_path), "--training.steps", "2", "--job.print_config", "false",
+                "--metrics.log_all_ranks", "true"], LOG_RANKS="1")
     assert run.returncode == 0, run.stderr[-3000:]
     warnings = [line for line in run.stderr.splitlines() if "warmup" in line]
     assert warnings == ["warning: lr_scheduler.warmup_steps = 10 does not fit in training.steps = 2: warming "
                         "up over 2 steps instead"], run.stderr[-3000:]
-    assert "step: 2  loss: " in run.stdout and "training finished after 2 steps" in run.stdout
+    output = (run.stdout + run.stderr).splitlines()
+    assert any(line.startswith("[rank1]") and "step: 2  loss: " in line for line in output), run.stdout[-3000:]
+    assert not any(line.startswith("[rank0]") for line in output), run.stdout[-3000:]
