@@ -38,8 +38,10 @@ LAYOUTS = {
                        "training.local_batch_size": 4}),
     "fsdp2_reshard_always": (2, {"parallelism.dp_shard": 2, "training.local_batch_size": 4,
                                  "parallelism.fsdp_reshard_after_forward": "always"}),
-    "fsdp2_reshard_never": (2, {"parallelism.dp_shard": 2, "training.local_batch_size": 4,
-                                "parallelism.fsdp_reshard_after_forward": "never"}),
+    # with per-block compile (aot_eager: the graph capture without code generation)
+    "fsdp2_reshard_never_compile": (2, {"parallelism.dp_shard": 2, "training.local_batch_size": 4,
+                                        "parallelism.fsdp_reshard_after_forward": "never",
+                                        "compile.enable": "true", "compile.backend": "aot_eager"}),
 }
 
 

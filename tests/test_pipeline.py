@@ -105,9 +105,11 @@ LAYOUTS = {
         {"parallelism.pp": 2, "parallelism.dp_shard": 2, "parallelism.tp": 2, "training.local_batch_size": 4,
          "parallelism.pp_microbatch_size": 2},
     ),
-    "1f1b_x_fsdp2": (
+    # with per-block compile (aot_eager: the graph capture without code generation)
+    "1f1b_x_fsdp2_compile": (
         4,
-        {"parallelism.pp": 2, "parallelism.dp_shard": 2, "training.local_batch_size": 4, "parallelism.pp_microbatch_size": 2},
+        {"parallelism.pp": 2, "parallelism.dp_shard": 2, "training.local_batch_size": 4, "parallelism.pp_microbatch_size": 2,
+         "compile.enable": "true", "compile.backend": "aot_eager"},
     ),
 }
 

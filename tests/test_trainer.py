@@ -96,15 +96,17 @@ def _validation_loss(argv):
         trainer.close()
 
 
-@pytest.mark.parametrize("world_size, overrides", [
-    (2, {"parallelism.tp": 2, "parallelism.dp_shard": 1}),
-    (2, {"parallelism.cp": 2, "parallelism.dp_shard": 1}),
-    (2, {"parallelism.dp_shard": 2, "training.local_batch_size": 4}),
-], ids=["tp2", "cp2", "fsdp2"])
-def test_validation_under_a_layout_equals_one_process(world_size, overrides, tmp_path):
-    """Validation shards the split over dp and the sequence over cp, and sums the loss over tp's
-    vocabulary shards: the mean token loss must be the one process's."""
-    val = {"validation.enable": "true", "validation.path": SMALL_CORPUS, "validation.steps": 2}
+@pytest.mark.parametrize("world_size, model, overrides", [
+    (2, {}, {"parallelism.tp": 2, "parallelism.dp_shard": 1}),
+    (2, {}, {"parallelism.cp": 2, "parallelism.dp_shard": 1}),
+    (2, {}, {"parallelism.dp_shard": 2, "training.local_batch_size": 4}),
+    (2, {"model.name": "moe"}, {"parallelism.dp_shard": 2, "parallelism.ep": 2, "training.local_batch_size": 4}),
+], ids=["tp2", "cp2", "fsdp2", "moe_ep2"])
+def test_validation_under_a_layout_equals_one_process(world_size, model, overrides, tmp_path):
+    """Validation shards the split over dp and the sequence over cp, sums the loss over tp's
+    vocabulary shards, and routes tokens to experts on other ranks under ep: the mean token loss
+    must be the one process's."""
+    val = {"validation.enable": "true", "validation.path": SMALL_CORPUS, "validation.steps": 2, **model}
     (single,) = run_distributed(_validation_loss, 1, base_args(str(tmp_path / "one"), val), torchrun_env=False)
     for loss in run_distributed(_validation_loss, world_size, base_args(str(tmp_path / "many"), {**val, **overrides})):
         assert loss == pytest.approx(single, rel=1e-5)
