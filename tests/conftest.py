@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 
-import datasets
 import pytest
 
 from tests.dist_utils import run_distributed
@@ -26,6 +25,9 @@ def reference(tmp_path_factory):
 @pytest.fixture(scope="module")
 def private_datasets_cache(tmp_path_factory):
     """Keep the corpora a test module writes out of the user's ~/.cache (datasets caches them)."""
+    # Imported here: tests/test_gpu.py runs where `datasets` is not installed (the GPU machine).
+    import datasets
+
     old = datasets.config.HF_DATASETS_CACHE
     datasets.config.HF_DATASETS_CACHE = str(tmp_path_factory.mktemp("hf_cache"))
     yield
