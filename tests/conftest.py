@@ -10,6 +10,12 @@ from tests.dist_utils import run_distributed
 from tests.training_utils import MAX_NORM, base_args, train_and_record
 
 
+def pytest_collection_modifyitems(config, items):
+    """Run tests/test_gpu.py last: the other tests fork CPU workers, which must not start from a
+    process that has initialized CUDA (a forked child cannot use it, and may fail touching it)."""
+    items.sort(key=lambda item: item.nodeid.startswith("tests/test_gpu.py"))
+
+
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
     """[(loss, grad_norm)] of the 5-step single-process run (no process group, one microbatch of 8)."""
