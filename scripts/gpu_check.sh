@@ -22,6 +22,7 @@ timeout -k 15 "$LIMIT" "$PY" scripts/gpu_check.py --budget $((LIMIT - 20)) "$@"
 rc=$?
 if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
   echo "gpu_check: stopped after ${LIMIT}s (exit $rc)"
-  [ -n "$json" ] && [ -f "$json" ] && "$PY" scripts/gpu_check.py --report "$json"
+  # SIGKILL (137): the script could not print its table; the rows it finished are in the JSON.
+  [ "$rc" -eq 137 ] && [ -n "$json" ] && [ -f "$json" ] && "$PY" scripts/gpu_check.py --report "$json"
 fi
 exit "$rc"

@@ -36,9 +36,9 @@ def row_bf16(ctx: Ctx) -> dict:
     """bf16 mixed precision, both ways the engine applies it: FSDP2's MixedPrecisionPolicy
     (parallelisms.data_parallel.apply_fsdp on the 1-rank mesh, as every multi-GPU run) and bf16
     autocast (engine.runner.StepContext, as a one-process run). Checks: compute in bf16 (the
-    projections output bf16), fp32 sharded master weights and gradients, loss and gradient within
-    2% of the fp32 model with the same weights but not equal to it, and an optimizer step that
-    changes the weights. Source: torch.distributed.fsdp.MixedPrecisionPolicy docs."""
+    projections output bf16), fp32 sharded master weights and gradients, loss within 2% and the
+    first block's gradient within 5% (relative L2) of the fp32 model with the same weights, but
+    not equal to it, and an optimizer step that changes the weights. Source: torch.distributed.fsdp.MixedPrecisionPolicy docs."""
     from engine.runner import StepContext
     from parallelisms.data_parallel import apply_fsdp
 
@@ -80,7 +80,9 @@ def row_bf16(ctx: Ctx) -> dict:
     errors = {"loss_fsdp": rel_err(loss.detach(), loss32.detach()),
               "loss_autocast": abs(loss_autocast - loss32.item()) / abs(loss32.item()),
               "grad_fsdp": rel_err(_local(weight.grad), ref_grad)}
-    assert max(errors.values()) < BF16_REL, f"bf16 vs fp32: {errors}"
+    # The layer-0 gradient comes back through every block in bf16: 9e-3 measured at this width
+    # (CPU, seq 256), hence a wider bound than one bf16 op's; a lost scale or dtype gives ~1.
+    assert max(errors["loss_fsdp"], errors["loss_autocast"]) < BF16_REL and errors["grad_fsdp"] < 5e-2, errors
     assert errors["loss_fsdp"] > 0, "bf16 loss equals the fp32 loss bit for bit: no mixed precision applied"
     assert not torch.equal(_local(weight).detach(), before), "the optimizer step left the weights unchanged"
     return {"loss_fp32": round(loss32.item(), 4), "loss_fsdp_bf16": round(loss.item(), 4),

@@ -99,3 +99,19 @@ def test_dry_cpu_rows_pass_without_optional_packages(tmp_path):
     assert numbers["cuda_nccl_init"]["backend"] == "gloo"
     assert numbers["flash_sdpa"]["forced"].startswith("flash_attention")
     assert numbers["mfu_llama3"]["steps_timed"] == 3 and numbers["mfu_llama3"]["mfu_pct"] is not None
+
+
+def test_rows_rerun_in_a_fresh_process(gpu_check, monkeypatch):
+    """After a row leaves the CUDA context unusable, the driver runs the rest in a child process,
+    which must start its own process group (not reuse this one's torchrun variables and port)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:  # as this process's store would
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setenv("MASTER_PORT", str(taken.getsockname()[1]))
+        monkeypatch.setenv("RANK", "0")
+        args = gpu_check.parse_args(["--dry-cpu"])
+        ctx = gpu_check.make_ctx(args)
+        rows = gpu_check._run_in_child(args, ["device", "cuda_nccl_init"], 120, ctx)
+    assert [(r["name"], r["status"]) for r in rows] == [("device", "ok"), ("cuda_nccl_init", "ok")], rows
