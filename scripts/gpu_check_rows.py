@@ -57,7 +57,12 @@ class Ctx:
 
 # ------------------------------------------------------------------------------------ helpers
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    """||got - want||_2 / ||want||_2 in float32 (0 when both are zero)."""
+    """||got - want||_2 / ||want||_2 in float32 (0 when both are zero).
+
+    Raises:
+        AssertionError: ``got`` is None (a gradient that never arrived).
+    """
+    assert got is not None and want is not None, "a gradient is missing (None): that path did not reach it"
     got, want = got.detach().float(), want.detach().float()
     denominator = want.norm().item()
     return (got - want).norm().item() / denominator if denominator > 0 else (got - want).norm().item()

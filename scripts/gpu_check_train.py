@@ -120,12 +120,14 @@ def row_compile(ctx: Ctx) -> dict:
     grads = {n: p.grad for n, p in eager.named_parameters()}
     worst = max(rel_err(p.grad, grads[n]) for n, p in compiled.named_parameters())
     loss_err = rel_err(loss_c, loss_e)
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert frames >= 1, "no graph was compiled: the blocks ran eagerly"
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     assert breaks == 0, f"{breaks} graph breaks: {dict(torch._dynamo.utils.counters['graph_break'])}"
     assert loss_err < 1e-3 and worst < 1e-3, f"compiled vs eager: loss {loss_err:.2e}, worst gradient {worst:.2e}"
     eager_s = statistics.median(step(eager)[1] for _ in range(3))
     compiled_s = statistics.median(step(compiled)[1] for _ in range(3))
-    return {"blocks": args.n_layers, "compile_s": round(first_s, 1), "loss_rel_err": f"{loss_err:.1e}",
+    return {"blocks": args.n_layers, "graphs": frames, "compile_s": round(first_s, 1), "loss_rel_err": f"{loss_err:.1e}",
             "grad_rel_err": f"{worst:.1e}", "eager_ms": round(eager_s * 1e3, 1), "compiled_ms": round(compiled_s * 1e3, 1)}
 
 
