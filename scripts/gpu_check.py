@@ -24,9 +24,10 @@ Tokens are synthetic (uniform random ids): no dataset, tokenizer or network is n
 imports avoid ``datasets``, ``sentencepiece`` and ``tensorboard``.
 
 Torch versions: written for the GPU machine's torch 2.11 (CUDA 13) and the project's 2.13. The
---dry-cpu run passes on the CPU builds of both (torch 2.11.0 from PyPI, 2.13.0 here); nothing in
-these three files needs 2.13. CUDA-only paths that no CPU run reaches: NCCL, the CUDA flash and
-grouped-mm kernels and their 16-row group alignment, torch.cuda memory statistics.
+--dry-cpu run passes on both without a GPU (torch 2.11.0+cu130 from PyPI and 2.13.0+cpu, with
+datasets, sentencepiece and tensorboard absent); nothing in these files needs 2.13. What no CPU run
+reaches: NCCL, the CUDA flash and grouped-mm kernels (and the 16-row group padding in front of the
+latter), torch.cuda's memory statistics, inductor's GPU code, and the 1B/3B shapes' memory and time.
 """
 
 from __future__ import annotations
