@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import os
 
-import datasets
 import pytest
 
 from tests.dist_utils import run_distributed
 from tests.training_utils import MAX_NORM, base_args, train_and_record
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run tests/test_gpu.py last: the other tests fork CPU workers, which must not start from a
+    process that has initialized CUDA (a forked child cannot use it, and may fail touching it)."""
+    items.sort(key=lambda item: item.nodeid.startswith("tests/test_gpu.py"))
 
 
 @pytest.fixture(scope="session")
@@ -26,6 +31,9 @@ def reference(tmp_path_factory):
 @pytest.fixture(scope="module")
 def private_datasets_cache(tmp_path_factory):
     """Keep the corpora a test module writes out of the user's ~/.cache (datasets caches them)."""
+    # Imported here: tests/test_gpu.py runs where `datasets` is not installed (the GPU machine).
+    import datasets
+
     old = datasets.config.HF_DATASETS_CACHE
     datasets.config.HF_DATASETS_CACHE = str(tmp_path_factory.mktemp("hf_cache"))
     yield

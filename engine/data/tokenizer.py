@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 
-import sentencepiece as spm
-
 _FIX = "set --model.tokenizer_path to a SentencePiece .model file, or make one with scripts/train_tokenizer.py"
 
 
@@ -38,6 +36,10 @@ class Tokenizer:
             raise FileNotFoundError(
                 f"model.tokenizer_path={self.path!r}: no such file; {_FIX}"
             )
+        # Imported here, not at the top: modules that import the trainer (and so this file) stay
+        # importable where sentencepiece is not installed, e.g. a GPU check on synthetic tokens.
+        import sentencepiece as spm
+
         self._sp = spm.SentencePieceProcessor()
         try:
             self._sp.Load(self.path)
