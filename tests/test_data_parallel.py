@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist_utils import run_distributed
-from tests.training_utils import assert_parity, base_args, train_and_record
+from tests.training_utils import LayoutRuns, assert_parity
+
+pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)
 
 # The single-process reference is the session fixture `reference` (tests/conftest.py).
 
@@ -45,11 +46,30 @@ LAYOUTS = {
 }
 
 
+# Streaming data (datasets' IterableDataset, split over the dp ranks by the loader) against one
+# streaming process: not against `reference`, whose map-style data is shuffled differently.
+STREAMING = {"data.streaming": "true"}
+STREAMING_LAYOUTS = {
+    "single_streaming": (1, STREAMING),
+    "fsdp2_streaming_accum2": (2, {**STREAMING, "parallelism.dp_shard": 2, "training.local_batch_size": 2}),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    import engine.trainer  # noqa: F401 - imported once here, the forked ranks inherit it
+
+    return LayoutRuns({**LAYOUTS, **STREAMING_LAYOUTS}, str(tmp_path_factory.mktemp("dp")))
+
+
+def test_streaming_data_over_ranks_equals_one_process(runs):
+    (single,) = runs.history("single_streaming")
+    for history in runs.history("fsdp2_streaming_accum2"):
+        assert_parity(history, single)
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_parity_with_one_process(layout, reference, tmp_path):
-    world_size, overrides = LAYOUTS[layout]
-    argv = base_args(str(tmp_path), overrides)
-    results = run_distributed(train_and_record, world_size, argv, torchrun_env=world_size > 1)
+def test_parity_with_one_process(layout, reference, runs):
     # Every rank reports the same globally reduced loss and grad norm.
-    for history in results:
+    for history in runs.history(layout):
         assert_parity(history, reference)

@@ -220,3 +220,23 @@ def test_memory_statistics_through_the_engine():
     assert set(figures) == {"mem_peak_allocated_gib", "mem_peak_reserved_gib", "mem_alloc_retries"}
     assert figures["mem_peak_allocated_gib"] >= 0.25 and figures["mem_peak_reserved_gib"] >= 0.25
     assert torch.cuda.max_memory_allocated(device) == torch.cuda.memory_allocated(device) == base
+
+
+def test_memory_snapshot_after_the_traced_steps(tmp_path):
+    """[profiling] memory_snapshot on CUDA: the allocator history is dumped after the traced step."""
+    import types
+
+    from engine.profiling import StepProfiler
+
+    cfg = types.SimpleNamespace(enable=True, start_step=1, num_steps=1, traces_folder="traces", memory_snapshot=True)
+    profiler = StepProfiler(cfg, str(tmp_path), 0, torch.device("cuda"))
+    try:
+        profiler.step_begin(1)
+        x = torch.randn(1024, 1024, device="cuda")
+        (x @ x).sum().item()
+        profiler.step_end(1)
+    finally:
+        profiler.close()
+    files = sorted(p.name for p in (tmp_path / "traces").iterdir())
+    assert files == ["rank0_memory_step1.pickle", "rank0_step1-1.json"], files
+    assert (tmp_path / "traces" / "rank0_memory_step1.pickle").stat().st_size > 0

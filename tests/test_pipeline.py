@@ -15,7 +15,7 @@ from parallelisms.pipeline import (
     stage_ids_for_rank,
 )
 from tests.dist_utils import run_distributed
-from tests.training_utils import SMALL_CORPUS, assert_parity, base_args, train_and_record
+from tests.training_utils import SMALL_CORPUS, LayoutRuns, assert_parity, base_args, train_and_record
 
 pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)
 
@@ -114,11 +114,16 @@ LAYOUTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    import engine.trainer  # noqa: F401 - imported once here, the forked ranks inherit it
+
+    return LayoutRuns(LAYOUTS, str(tmp_path_factory.mktemp("pp")))
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_pipeline_parity_with_one_process(layout, reference, tmp_path):
-    world_size, overrides = LAYOUTS[layout]
-    results = run_distributed(train_and_record, world_size, base_args(str(tmp_path), overrides))
-    for history in results:  # the true loss on every rank, not only on the last stage
+def test_pipeline_parity_with_one_process(layout, reference, runs):
+    for history in runs.history(layout):  # the true loss on every rank, not only on the last stage
         assert_parity(history, reference)
 
 
