@@ -39,7 +39,8 @@ def _logged_times(folder: str) -> dict:
 
     out = {}
     for name, (overrides, _) in LAYOUTS.items():
-        train_and_record(base_args(f"{folder}/{name}", {**overrides, "training.steps": 2}))
+        attributed = {**overrides, "training.steps": 2, "metrics.time_attribution": "true"}
+        train_and_record(base_args(f"{folder}/{name}", attributed))
         with open(f"{folder}/{name}/metrics.jsonl") as file:
             records = [json.loads(line) for line in file if '"train"' in line]
         out[name] = [{k: v for k, v in r.items() if k.startswith("time_")} for r in records]

@@ -2,6 +2,7 @@
 
 import io
 import json
+import math
 import random
 
 import pytest
@@ -135,3 +136,28 @@ def test_train_tokenizer_script_errors(tmp_path):
     with pytest.raises(ValueError, match=r"--text_column='body'.*available columns: \['text'\]"):
         train_tokenizer_main(["--data_path", str(corpus), "--text_column", "body",
                               "--output", str(tmp_path / "x")])
+
+
+def _train_steps(argv):
+    from tests.training_utils import train_and_record
+
+    return train_and_record(argv)
+
+
+@pytest.mark.slow
+def test_a_trained_tokenizer_trains_the_model_across_processes(tmp_path):
+    """scripts/train_tokenizer.py on the bundled corpus, then FSDP over 2 ranks with that tokenizer:
+    the model takes its vocabulary from it (model.vocab_size = -1) and both ranks agree."""
+    from tests.dist_utils import run_distributed
+    from tests.training_utils import SMALL_CORPUS, base_args
+
+    path = train_tokenizer_main(["--data_path", SMALL_CORPUS, "--vocab_size", "512",
+                                 "--output", str(tmp_path / "tok" / "small"), "--num_threads", "1"])
+    argv = base_args(str(tmp_path / "run"), {"model.tokenizer_path": path, "model.vocab_size": -1,
+                                             "parallelism.dp_shard": 2, "training.local_batch_size": 4,
+                                             "training.steps": 3})
+    histories = run_distributed(_train_steps, 2, argv)
+    assert histories[0] == histories[1]
+    losses = [loss for loss, _ in histories[0]]
+    assert abs(losses[0] - math.log(512)) < 0.5, losses  # starts near uniform over the new vocabulary
+    assert losses[-1] < losses[0], losses

@@ -36,6 +36,9 @@ def base_args(dump_folder: str, overrides: dict | None = None) -> list[str]:
         "lr_scheduler.warmup_steps": "2",
         "metrics.log_freq": "1",
         "metrics.enable_tensorboard": "false",
+        # Off unless a test is about them: each costs start-up or per-step time in every run.
+        "validation.enable": "false",
+        "metrics.time_attribution": "false",
         "comm.init_timeout_seconds": "60",
     }
     settings.update({key: str(value) for key, value in (overrides or {}).items()})
