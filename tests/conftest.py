@@ -6,6 +6,14 @@ import os
 
 import pytest
 
+# Imported once here so that every forked rank of every test starts with them loaded (datasets
+# alone takes ~2 s to import). The GPU machine has no `datasets`; its tests need neither.
+try:
+    import datasets  # noqa: F401
+except ImportError:  # pragma: no cover - only where datasets is not installed
+    pass
+import engine.trainer  # noqa: F401,E402
+
 from tests.dist_utils import run_distributed
 from tests.training_utils import MAX_NORM, base_args, train_and_record
 

@@ -147,7 +147,7 @@ def _export_round_trip(folder: str) -> dict:
     step2 = os.path.join(folder, "run", "checkpoint", "step-2")
     # Other data (here: another seq_len) makes the saved window position meaningless: the run
     # resumes model, optimizer and step, warns, and reads the new data from its first window.
-    other_data = trainer_in("run", **{"training.seq_len": 32})
+    other_data = trainer_in("run", **{"training.seq_len": 16})
     out["other_data"] = (other_data.step, other_data.dataloader.state_dict()["position"])
     other_data.close()
     pt, pt16 = os.path.join(folder, "model.pt"), os.path.join(folder, "model_bf16.pt")
