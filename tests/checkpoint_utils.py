@@ -14,9 +14,9 @@ from tests.training_utils import SMALL_CORPUS, base_args
 
 STEPS = 10
 STOP = 5
-# 6 documents x 1,000 characters = 28 windows of 65 tokens: 10 steps of 8 windows read the data
-# ~2.9 times, and the first epoch ends in the middle of step 4.
-TINY_DOCS, TINY_CHARS, TINY_WINDOWS = 6, 1000, 28
+# 6 documents x 440 characters = 28 windows of 33 tokens (the tests' seq_len 32): 10 steps of 8
+# windows read the data ~2.9 times, and the first epoch ends in the middle of step 4.
+TINY_DOCS, TINY_CHARS, TINY_WINDOWS = 6, 440, 28
 
 
 def write_tiny_corpus(folder: str) -> str:

@@ -21,7 +21,7 @@ from tests.training_utils import REPO
 pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)
 
 STEPS = 16
-SETTINGS = {"training.steps": STEPS, "training.seq_len": 64, "validation.enable": "false",
+SETTINGS = {"training.steps": STEPS, "training.seq_len": 32, "validation.enable": "false",
             "training.local_batch_size": 2, "training.global_batch_size": 8, "training.gc_freq": 0,
             "lr_scheduler.warmup_steps": 2, "metrics.log_freq": 1, "checkpoint.interval": 100,
             "job.print_config": "false", "comm.init_timeout_seconds": 60, "job.device": "cpu"}
