@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -29,8 +30,10 @@ def reference(tmp_path_factory):
     """[(loss, grad_norm)] of the 5-step single-process run (no process group, one microbatch of 8)."""
     folder = tmp_path_factory.mktemp("single")
     (history,) = run_distributed(train_and_record, 1, base_args(str(folder)), torchrun_env=False)
-    losses = [loss for loss, _ in history]
-    assert losses[-1] < losses[0], f"the reference run did not learn: {losses}"
+    # Over 5 steps of 32-token batches the batch-to-batch spread of the loss exceeds the progress, so
+    # "it learns" is not checked here: tests/test_reference_loop.py checks this run step by step
+    # against a plain PyTorch loop instead.
+    assert len(history) == 5 and all(math.isfinite(loss) for loss, _ in history), history
     # Every layout compared with this run must clip at every step, or a wrong norm goes unseen.
     assert all(norm > MAX_NORM * 1.2 for _, norm in history), f"clipping not engaged: {history}"
     return history

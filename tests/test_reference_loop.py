@@ -16,11 +16,13 @@ import os
 import pytest
 
 from tests.dist_utils import run_distributed
-from tests.training_utils import MAX_NORM, PARITY_STEPS, REPO, SMALL_CORPUS, assert_parity, base_args, train_and_record
+from tests.training_utils import (
+    MAX_NORM, PARITY_STEPS, REPO, SEQ_LEN, SMALL_CORPUS, assert_parity, base_args, train_and_record,
+)
 
 pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)
 
-SEQ_LEN, GLOBAL_BATCH, LR = 64, 8, 8e-4
+GLOBAL_BATCH, LR = 8, 8e-4
 SETTINGS = {"data.shuffle": "false", "lr_scheduler.warmup_steps": 0, "lr_scheduler.decay_type": "constant",
             "optimizer.lr": LR, "optimizer.implementation": "for-loop"}
 

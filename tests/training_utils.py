@@ -10,6 +10,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_CORPUS = os.path.join(REPO, "assets", "data", "shakespeare", "validation.jsonl")
 PARITY_STEPS = 5
 MAX_NORM = 0.5
+# 32 tokens: divisible by 2·cp·tp = 8 of every cp layout; a step costs half of 64's.
+SEQ_LEN = 32
 
 
 def base_args(dump_folder: str, overrides: dict | None = None) -> list[str]:
@@ -29,8 +31,7 @@ def base_args(dump_folder: str, overrides: dict | None = None) -> list[str]:
         "optimizer.eps": "1e-3",
         "data.path": SMALL_CORPUS,
         "training.steps": str(PARITY_STEPS),
-        # 32 tokens: divisible by 2·cp·tp = 8 of every cp layout; a step costs half of 64's.
-        "training.seq_len": "32",
+        "training.seq_len": str(SEQ_LEN),
         "training.local_batch_size": "8",
         "training.global_batch_size": "8",
         "training.gc_freq": "0",
