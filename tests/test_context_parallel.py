@@ -23,8 +23,8 @@ LAYOUTS = {
                        "training.local_batch_size": 4}),
     "cp2_x_pp2": (4, {"parallelism.cp": 2, "parallelism.pp": 2, "parallelism.dp_shard": 1}),
     "cp2_x_tp2": (4, {"parallelism.cp": 2, "parallelism.tp": 2, "parallelism.dp_shard": 1}),
-    "3d_pp2_x_cp2_x_tp2": (8, {"parallelism.pp": 2, "parallelism.cp": 2, "parallelism.tp": 2, "parallelism.dp_shard": 1}),
-    # The full 4-D mesh, 16 processes: the slowest test of the suite (about a minute on 2 cores).
+    # The full 4-D mesh, 16 processes (pp × cp × tp without dp is inside it, and each pair of them
+    # has its own layout above): the slowest test of the suite.
     "4d_pp2_x_dp_shard2_x_cp2_x_tp2": (
         16,
         {"parallelism.pp": 2, "parallelism.dp_shard": 2, "parallelism.cp": 2, "parallelism.tp": 2,

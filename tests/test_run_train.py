@@ -34,7 +34,6 @@ def test_debug_model_trains_and_logs(tmp_path):
             "--job.dump_folder", str(tmp_path),
             "--job.print_config", "false",
             "--training.steps", "10",
-            "--training.seq_len", "64",  # the default config at a quarter of its sequence length
             "--lr_scheduler.warmup_steps", "2",
             "--metrics.log_freq", "1",
             "--validation.freq", "10",

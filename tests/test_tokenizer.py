@@ -138,26 +138,33 @@ def test_train_tokenizer_script_errors(tmp_path):
                               "--output", str(tmp_path / "x")])
 
 
-def _train_steps(argv):
-    from tests.training_utils import train_and_record
+def _train_with_tokenizer(argv):
+    from engine.config import load_config
+    from engine.trainer import Trainer
 
-    return train_and_record(argv)
+    trainer = Trainer(load_config(argv))
+    try:
+        inputs, _ = trainer.dataloader.next_batch()
+        vocab, largest_id = trainer.tokenizer.vocab_size, int(inputs.max())
+        history = trainer.train()
+    finally:
+        trainer.close()
+    return vocab, largest_id, [(h["loss"], h["grad_norm"]) for h in history]
 
 
 @pytest.mark.slow
 def test_a_trained_tokenizer_trains_the_model_across_processes(tmp_path):
     """scripts/train_tokenizer.py on the bundled corpus, then FSDP over 2 ranks with that tokenizer:
-    the model takes its vocabulary from it (model.vocab_size = -1) and both ranks agree."""
+    the data is its ids (the flavor's 4096 embedding rows hold its 512) and both ranks agree."""
     from tests.dist_utils import run_distributed
     from tests.training_utils import SMALL_CORPUS, base_args
 
     path = train_tokenizer_main(["--data_path", SMALL_CORPUS, "--vocab_size", "512",
                                  "--output", str(tmp_path / "tok" / "small"), "--num_threads", "1"])
-    argv = base_args(str(tmp_path / "run"), {"model.tokenizer_path": path, "model.vocab_size": -1,
-                                             "parallelism.dp_shard": 2, "training.local_batch_size": 4,
-                                             "training.steps": 3})
-    histories = run_distributed(_train_steps, 2, argv)
-    assert histories[0] == histories[1]
-    losses = [loss for loss, _ in histories[0]]
-    assert abs(losses[0] - math.log(512)) < 0.5, losses  # starts near uniform over the new vocabulary
-    assert losses[-1] < losses[0], losses
+    argv = base_args(str(tmp_path / "run"), {"model.tokenizer_path": path, "parallelism.dp_shard": 2,
+                                             "training.local_batch_size": 4, "training.steps": 3})
+    ranks = run_distributed(_train_with_tokenizer, 2, argv)
+    assert ranks[0][2] == ranks[1][2]  # the same global loss and norm on both ranks
+    for vocab, largest_id, history in ranks:
+        assert vocab == 512 and 256 < largest_id < 512, (vocab, largest_id)
+        assert all(math.isfinite(loss) and loss > math.log(512) for loss, _ in history), history
