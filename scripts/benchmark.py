@@ -16,7 +16,8 @@ Cases (debugmodel, fp32, CPU, gloo; one intra-op thread per rank):
   (parallelisms/comm_counter.py), against the exact formulas; also FSDP with 2 microbatches,
   reducing after each microbatch or only after the last (``parallelism.grad_sync_each_microbatch``).
 - ``memory``: per-rank parameter + gradient + optimizer bytes under FSDP2 at W = 2 over W = 1 (1/W
-  expected); and the peak RSS cost of ``grad_sync_each_microbatch = false``.
+  expected); and the unsharded bytes FSDP holds between microbatches with
+  ``grad_sync_each_microbatch`` true / false (the memory price of one reduction per step).
 - ``ac_compile``: step time with activation checkpointing (full, selective) and with compile
   (inductor where a C++ compiler exists, else aot_eager), over eager without AC.
 
@@ -53,7 +54,7 @@ class Bench:
 
     def __init__(self, args):
         self.quick = args.quick
-        self.rounds = 3 if args.quick else 6
+        self.rounds = 2 if args.quick else 6
         self.steps = 3 if args.quick else 5
         self.warmup = 2
         self.seq_len, self.local_batch_size = args.seq_len, args.local_batch_size
@@ -176,18 +177,11 @@ def case_memory(b: Bench) -> None:
     for kind in ("params", "grads", "optimizer"):
         ratio = max(r["state"][kind] for r in sharded) / single[kind]
         b.row("memory", f"FSDP2 W=2 {kind} bytes per rank / W=1", f"{ratio:.4f}  (1/W = 0.5)")
-    accum = {"training.local_batch_size": b.local_batch_size // 2, "training.global_batch_size": 2 * b.local_batch_size}
-    rss = {}
-    for sync in ("true", "false"):
-        ranks = b.timed(f"mem_sync_{sync}", 2, {**FSDP2, **accum, "parallelism.grad_sync_each_microbatch": sync})
-        rss[sync] = max(r["max_rss_bytes"] for r in ranks)
-    # Held over the whole step: unsharded fp32 parameters and gradients, 2·P bytes at most (the
-    # default mode holds one or two blocks' worth of them transiently).
-    bound = 2 * single["params"]
-    out["peak_rss"] = rss
-    out["sync_last_extra_bytes_bound"] = bound
-    b.row("memory", "grad_sync_each_microbatch=false: extra peak RSS per rank",
-          f"{(rss['false'] - rss['true']) / 2**20:.1f} MiB measured (<= 2*P = {bound / 2**20:.1f} MiB)")
+    held = run_distributed(runs.held_between_microbatches, 2, b.argv("mem_held", FSDP2), timeout=600)[0]
+    out["held_after_microbatch_1"] = held
+    # Held over the step: the unsharded fp32 parameters and gradients, 2·P bytes for P parameter bytes.
+    b.row("memory", "held between microbatches, sync each / sync last",
+          f"{held['each'] / 2**20:.1f} / {held['last'] / 2**20:.1f} MiB (2*P = {2 * held['param_bytes'] / 2**20:.1f} MiB)")
     b.results["memory"] = out
 
 

@@ -183,3 +183,56 @@ def clip_under_layout(argv: list[str], reps: int) -> dict:
         return {"clip_s": times}
     finally:
         trainer.close()
+
+
+def _held_unsharded_bytes(model) -> int:
+    """Bytes of unsharded parameters and gradients FSDP2 holds right now on this rank (its
+    ``FSDPParam`` buffers; torch-internal attributes, read for measurement only)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    total = 0
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            for buffer in getattr(fsdp_param, "all_gather_outputs", []) or []:
+                total += buffer.untyped_storage().nbytes()
+            grad = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+            if grad is not None:
+                total += grad.untyped_storage().nbytes()
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None and unsharded.grad is not None:
+                total += unsharded.grad.untyped_storage().nbytes()
+    return total
+
+
+def held_between_microbatches(argv: list[str]) -> dict:
+    """FSDP's unsharded bytes held after microbatch 1 of 2, reducing after each microbatch or only
+    after the last (``parallelism.grad_sync_each_microbatch``), measured on this rank."""
+    import contextlib
+
+    import torch
+
+    from parallelisms.data_parallel import sync_on_last_microbatch
+
+    trainer = build_trainer(argv)
+    try:
+        trainer.train_step()  # warm-up, and the optimizer state exists
+        model = trainer.model_parts[0]
+        out = {}
+        for mode in ("each", "last"):
+            batches = [trainer.runner.context.shard(*trainer.dataloader.next_batch()) for _ in range(2)]
+            tokens = trainer._dp_sum(torch.tensor(float(sum(labels.numel() for _, labels in batches))))
+            scope = sync_on_last_microbatch(model, 2) if mode == "last" else contextlib.nullcontext(iter([None, None]))
+            with scope as before_each:
+                for index, (inputs, labels) in enumerate(batches):
+                    next(before_each)
+                    trainer.runner.forward_backward(inputs, labels, tokens)
+                    if index == 0:
+                        out[mode] = _held_unsharded_bytes(model)
+            trainer.optimizer.zero_grad(set_to_none=True)
+        out["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+        return out
+    finally:
+        trainer.close()
