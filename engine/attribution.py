@@ -29,8 +29,9 @@ import time
 from collections import defaultdict, deque
 
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from parallelisms.comm_counter import c10d_group_arg, functional_group_arg, group_name
 
 # Mesh names (parallelisms/parallel_dims.py) -> the dim reported. FSDP's groups: dp_shard, or
 # dp_shard_cp when cp ranks shard too, or dp_shard_mod_ep for MoE experts under ep.
@@ -41,14 +42,6 @@ REPORTED_DIM = {
 }
 _WAIT_OPS = ("_c10d_functional.wait_tensor",)
 _WRAP_OP = "_c10d_functional._wrap_tensor_autograd"  # re-wraps a result that is waited on later
-
-
-def _group_name(group) -> str:
-    if isinstance(group, str):
-        return group
-    if isinstance(group, torch.ScriptObject):
-        return dist.ProcessGroup.unbox(group).group_name
-    return group.group_name
 
 
 class CommTimer(TorchDispatchMode):
@@ -104,15 +97,15 @@ class CommTimer(TorchDispatchMode):
             group = self._tensor_groups.pop(id(args[0]), "unattributed")
             self._tensor_groups[id(out)] = group
         elif namespace == "c10d":
-            group = next((_group_name(a) for a in args if isinstance(a, torch.ScriptObject)
-                          and "ProcessGroup" in str(a._type())), "unattributed")
+            boxed = c10d_group_arg(args)
+            group = group_name(boxed) if boxed is not None else "unattributed"
             work = out[-1] if isinstance(out, (tuple, list)) else out
             if isinstance(work, torch.ScriptObject):
                 op_type = str(torch._C._distributed_c10d.Work.unbox(work)._get_op_type())
                 self._outstanding[op_type].append(group)
         else:
-            group_arg = kwargs.get("group_name", args[-1])
-            group = _group_name(group_arg) if isinstance(group_arg, (str, torch.ScriptObject)) else "unattributed"
+            group_arg = functional_group_arg(args, kwargs)
+            group = group_name(group_arg) if isinstance(group_arg, (str, torch.ScriptObject)) else "unattributed"
             for tensor in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(tensor, torch.Tensor):
                     self._tensor_groups[id(tensor)] = group  # alive until waited on

@@ -19,6 +19,7 @@ over the pp group makes every rank log the true loss, never a placeholder.
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -98,10 +99,16 @@ class _Runner:
             This rank's share of the step loss (detached; 0 on pipeline ranks without the last stage).
         """
         loss = torch.zeros((), device=self.context.device)
-        for inputs, labels in microbatches:
-            with self.context.loss_and_positions():
-                loss += to_local(self.forward_backward(inputs, labels, global_tokens))
+        with self.accumulation(len(microbatches)) as before_each:
+            for (inputs, labels), _ in zip(microbatches, before_each):
+                with self.context.loss_and_positions():
+                    loss += to_local(self.forward_backward(inputs, labels, global_tokens))
         return loss
+
+    def accumulation(self, microbatches: int) -> contextlib.AbstractContextManager:
+        """Context around a step's microbatches, yielding an iterator advanced before each one:
+        here nothing happens between them (see :class:`SingleRunner`)."""
+        return contextlib.nullcontext(itertools.repeat(None))
 
     def sum_over_stages(self, value: torch.Tensor) -> torch.Tensor:
         """Identity without pipeline parallel (see :class:`PipelineRunner`)."""
@@ -141,16 +148,11 @@ class SingleRunner(_Runner):
         super().__init__(model_parts, context)
         self.sync_each_microbatch = sync_each_microbatch
 
-    def step(self, microbatches, global_tokens):
-        """As :meth:`_Runner.step`, with one gradient reduction per step unless ``sync_each_microbatch``."""
-        if self.sync_each_microbatch or len(microbatches) == 1:
-            return super().step(microbatches, global_tokens)
-        loss = torch.zeros((), device=self.context.device)
-        with sync_on_last_microbatch(self.model_parts[0], len(microbatches)) as before_each:
-            for (inputs, labels), _ in zip(microbatches, before_each):
-                with self.context.loss_and_positions():
-                    loss += to_local(self.forward_backward(inputs, labels, global_tokens))
-        return loss
+    def accumulation(self, microbatches: int) -> contextlib.AbstractContextManager:
+        """One gradient reduction per step unless ``sync_each_microbatch`` (or a single microbatch)."""
+        if self.sync_each_microbatch or microbatches == 1:
+            return super().accumulation(microbatches)
+        return sync_on_last_microbatch(self.model_parts[0], microbatches)
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor) -> torch.Tensor:
         """One microbatch: LongTensor[B, S] inputs/labels -> its loss contribution (detached)."""

@@ -17,7 +17,6 @@ Scalars (e.g. a loss all-reduce) count like any other tensor. Ops not listed are
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
@@ -61,6 +60,31 @@ _RING_FACTOR = {
 }
 
 
+def resolve_group(group) -> dist.ProcessGroup:
+    """The process group a dispatched collective names: a c10d group name (functional collectives),
+    a boxed ``ProcessGroup`` script object (c10d ops) or a ``ProcessGroup``."""
+    if isinstance(group, str):
+        return dist.distributed_c10d._resolve_process_group(group)
+    if isinstance(group, torch.ScriptObject):
+        return dist.ProcessGroup.unbox(group)
+    return group
+
+
+def group_name(group) -> str:
+    """c10d's name of ``group`` (any form :func:`resolve_group` takes); a name is returned as is."""
+    return group if isinstance(group, str) else resolve_group(group).group_name
+
+
+def c10d_group_arg(args) -> torch.ScriptObject | None:
+    """The boxed ``ProcessGroup`` among a c10d op's arguments (ReduceOp is a script object too)."""
+    return next((a for a in args if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type())), None)
+
+
+def functional_group_arg(args, kwargs):
+    """The group name of a functional collective (its last argument, or ``group_name=``)."""
+    return kwargs.get("group_name", args[-1])
+
+
 def _nbytes(value) -> int:
     """Bytes of a tensor or of a (nested) list of tensors."""
     if isinstance(value, torch.Tensor):
@@ -91,7 +115,7 @@ class CommCounter(TorchDispatchMode):
 
         with CommCounter() as comm:
             loss.backward()
-        comm.bytes_by_group()  # {group_name: payload bytes}
+        sum(r.payload_bytes for r in comm.records if r.kind == "reduce_scatter")
 
     ``records`` lists the calls in order. Works for gloo and NCCL alike (nothing is timed).
     """
@@ -102,10 +126,7 @@ class CommCounter(TorchDispatchMode):
         super().__init__()
 
     def _record(self, kind: str, group, payload: int) -> None:
-        if isinstance(group, str):
-            group = dist.distributed_c10d._resolve_process_group(group)
-        elif isinstance(group, torch.ScriptObject):
-            group = dist.ProcessGroup.unbox(group)
+        group = resolve_group(group)
         size = group.size()
         self.records.append(CommRecord(kind, group.group_name, size, payload, payload * _RING_FACTOR[kind](size)))
 
@@ -114,7 +135,7 @@ class CommCounter(TorchDispatchMode):
         name = func.overloadpacket._qualified_op_name.replace("::", ".")
         if name in _C10D_OPS:
             kind, index = _C10D_OPS[name]
-            group = next(a for a in args if isinstance(a, torch.ScriptObject))
+            group = c10d_group_arg(args)
             payload = _nbytes(args[index])
             if kind == "all_gather" and isinstance(args[0], list) and args[0] and isinstance(args[0][0], list):
                 payload = _nbytes(args[0])  # allgather_: [[outputs of every rank] per input]
@@ -122,26 +143,12 @@ class CommCounter(TorchDispatchMode):
         elif name in _FUNCTIONAL_OPS:
             kind = _FUNCTIONAL_OPS[name]
             out = func(*args, **kwargs)
-            group = args[-1] if isinstance(args[-1], str) else kwargs.get("group_name", args[-1])
+            group = functional_group_arg(args, kwargs)
             # payload: the full buffer, i.e. the output of an all-gather, the input otherwise
             payload = _nbytes(out) if kind == "all_gather" else _nbytes(args[0])
             self._record(kind, group, payload)
             return out
         return func(*args, **kwargs)
-
-    def bytes_by_group(self, wire: bool = False) -> dict[str, float]:
-        """Payload (or wire) bytes per process-group name, summed over the recorded calls."""
-        totals: dict[str, float] = defaultdict(float)
-        for record in self.records:
-            totals[record.group_name] += record.wire_bytes if wire else record.payload_bytes
-        return dict(totals)
-
-    def calls_by_kind(self) -> dict[str, int]:
-        """Number of calls per collective kind."""
-        counts: dict[str, int] = defaultdict(int)
-        for record in self.records:
-            counts[record.kind] += 1
-        return dict(counts)
 
 
 def group_names_by_mesh_dim(parallel_dims) -> dict[str, str]:

@@ -23,7 +23,6 @@ import os
 
 import pytest
 
-from engine.trainer import Trainer  # noqa: F401 - imported once here, so forked workers start warm
 from tests.checkpoint_utils import (
     STEPS, STOP, assert_bitwise_equal, assert_losses_close, ckpt_args, copy_checkpoint, read_checkpoint,
     train_run, write_tiny_corpus,

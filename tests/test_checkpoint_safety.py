@@ -7,7 +7,6 @@ import os
 
 import pytest
 
-from engine.trainer import Trainer  # noqa: F401 - imported once here, so forked workers start warm
 from tests.dist_utils import run_distributed
 from tests.training_utils import base_args
 

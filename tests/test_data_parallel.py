@@ -57,8 +57,6 @@ STREAMING_LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    import engine.trainer  # noqa: F401 - imported once here, the forked ranks inherit it
-
     return LayoutRuns({**LAYOUTS, **STREAMING_LAYOUTS}, str(tmp_path_factory.mktemp("dp")))
 
 

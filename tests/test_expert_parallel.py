@@ -11,7 +11,6 @@ import math
 
 import pytest
 
-import engine.trainer  # noqa: F401  imported here so that forked ranks start with it loaded
 from tests.dist_utils import run_distributed
 from tests.training_utils import assert_parity, base_args, train_and_record
 

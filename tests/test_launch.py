@@ -13,7 +13,6 @@ import time
 
 import pytest
 
-from engine.trainer import Trainer  # noqa: F401 - imported once here, so forked workers start warm
 from tests.checkpoint_utils import train_run, write_tiny_corpus
 from tests.dist_utils import free_port, run_distributed
 from tests.training_utils import REPO

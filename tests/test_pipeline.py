@@ -116,8 +116,6 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    import engine.trainer  # noqa: F401 - imported once here, the forked ranks inherit it
-
     return LayoutRuns(LAYOUTS, str(tmp_path_factory.mktemp("pp")))
 
 

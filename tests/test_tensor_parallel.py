@@ -199,7 +199,6 @@ def rank_results(tmp_path_factory):
     def get(world_size: int) -> list:
         if world_size not in cache:
             folder = str(tmp_path_factory.mktemp(f"tp_world{world_size}"))
-            import engine.trainer  # noqa: F401 - imported once here, the forked ranks inherit it
             cache[world_size] = run_distributed(_rank_work, world_size, folder, world_size, timeout=300)
         return cache[world_size]
 

@@ -3,12 +3,10 @@ collectives and per-rank state bytes, and the bare PyTorch loop the engine is co
 
 from __future__ import annotations
 
-import os
 import resource
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SMALL_CORPUS = os.path.join(REPO, "assets", "data", "shakespeare", "validation.jsonl")
+from tests.training_utils import SMALL_CORPUS
 
 
 def engine_args(folder: str, overrides: dict, *, seq_len: int, local_batch_size: int) -> list[str]:
@@ -210,11 +208,7 @@ def _held_unsharded_bytes(model) -> int:
 def held_between_microbatches(argv: list[str]) -> dict:
     """FSDP's unsharded bytes held after microbatch 1 of 2, reducing after each microbatch or only
     after the last (``parallelism.grad_sync_each_microbatch``), measured on this rank."""
-    import contextlib
-
     import torch
-
-    from parallelisms.data_parallel import sync_on_last_microbatch
 
     trainer = build_trainer(argv)
     try:
@@ -222,10 +216,10 @@ def held_between_microbatches(argv: list[str]) -> dict:
         model = trainer.model_parts[0]
         out = {}
         for mode in ("each", "last"):
+            trainer.runner.sync_each_microbatch = mode == "each"
             batches = [trainer.runner.context.shard(*trainer.dataloader.next_batch()) for _ in range(2)]
             tokens = trainer._dp_sum(torch.tensor(float(sum(labels.numel() for _, labels in batches))))
-            scope = sync_on_last_microbatch(model, 2) if mode == "last" else contextlib.nullcontext(iter([None, None]))
-            with scope as before_each:
+            with trainer.runner.accumulation(2) as before_each:
                 for index, (inputs, labels) in enumerate(batches):
                     next(before_each)
                     trainer.runner.forward_backward(inputs, labels, tokens)
