@@ -7,8 +7,9 @@ import os
 
 import pytest
 
+from models import get_model_args
 from tests.dist_utils import run_distributed
-from tests.training_utils import base_args
+from tests.training_utils import FLAVOR, base_args
 
 pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)
 
@@ -47,12 +48,13 @@ def seeded_run(tmp_path_factory) -> str:
 def test_bad_checkpoint_settings_fail_before_training(seeded_run, tmp_path):
     not_dcp = tmp_path / "not_a_checkpoint"
     not_dcp.mkdir()
+    dim = get_model_args("llama", FLAVOR).dim
     cases = {
         "load_step": ({"checkpoint.load_step": 3},
                       ["checkpoint.load_step = 3", "no complete checkpoint step-3", "complete: [0]"]),
         "other model": ({"model.vocab_size": 4200},
-                        ["does not fit this model", "model weight 'output.weight' has shape [4096, 256] in "
-                         "the checkpoint but [4200, 256] in this model"]),
+                        ["does not fit this model", f"model weight 'output.weight' has shape [4096, {dim}] in "
+                         f"the checkpoint but [4200, {dim}] in this model"]),
         "fresh run from an incompatible folder": (
             {"job.dump_folder": str(tmp_path / "fresh"), "model.vocab_size": 4200,
              "checkpoint.initial_load_path": os.path.join(seeded_run, "checkpoint", "step-0")},

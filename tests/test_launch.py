@@ -15,7 +15,7 @@ import pytest
 
 from tests.checkpoint_utils import train_run, write_tiny_corpus
 from tests.dist_utils import free_port, run_distributed
-from tests.training_utils import REPO
+from tests.training_utils import FLAVOR, REPO
 
 pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)
 
@@ -23,7 +23,8 @@ STEPS = 16
 SETTINGS = {"training.steps": STEPS, "training.seq_len": 32, "validation.enable": "false",
             "training.local_batch_size": 2, "training.global_batch_size": 8, "training.gc_freq": 0,
             "lr_scheduler.warmup_steps": 2, "metrics.log_freq": 1, "checkpoint.interval": 100,
-            "job.print_config": "false", "comm.init_timeout_seconds": 60, "job.device": "cpu"}
+            "job.print_config": "false", "comm.init_timeout_seconds": 60, "job.device": "cpu",
+            "model.flavor": FLAVOR}
 
 
 @pytest.fixture(scope="module")

@@ -138,7 +138,9 @@ def _train_with_validation(argv):
 
 
 def test_validation_and_bubble_through_the_pipeline(tmp_path):
-    val_args = {"validation.enable": "true", "validation.path": SMALL_CORPUS, "validation.steps": 2}
+    # debugmodel, not the suite's tiny flavor: microbatches long enough for the bubble to be timed
+    val_args = {"validation.enable": "true", "validation.path": SMALL_CORPUS, "validation.steps": 2,
+                "model.flavor": "debugmodel"}
     single = run_distributed(_train_with_validation, 1, base_args(str(tmp_path / "a"), val_args), torchrun_env=False)
     pipelined = run_distributed(
         _train_with_validation, 2, base_args(str(tmp_path / "b"), {**val_args, "parallelism.pp": 2})

@@ -17,12 +17,12 @@ import pytest
 
 from tests.dist_utils import run_distributed
 from tests.training_utils import (
-    MAX_NORM, PARITY_STEPS, REPO, SEQ_LEN, SMALL_CORPUS, assert_parity, base_args, train_and_record,
+    EPS, FLAVOR, LR, MAX_NORM, PARITY_STEPS, REPO, SEQ_LEN, SMALL_CORPUS, assert_parity, base_args, train_and_record,
 )
 
 pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)
 
-GLOBAL_BATCH, LR = 8, 8e-4
+GLOBAL_BATCH = 8
 SETTINGS = {"data.shuffle": "false", "lr_scheduler.warmup_steps": 0, "lr_scheduler.decay_type": "constant",
             "optimizer.lr": LR, "optimizer.implementation": "for-loop"}
 
@@ -43,7 +43,7 @@ def _plain_loop(local_batch_size: int) -> list[tuple[float, float]]:
     stream = torch.tensor(stream)
 
     torch.manual_seed(0)
-    args = get_model_args("llama", "debugmodel")
+    args = get_model_args("llama", FLAVOR)
     args.max_seq_len = SEQ_LEN
     with torch.device("meta"):
         model = Transformer(args)
@@ -53,7 +53,7 @@ def _plain_loop(local_batch_size: int) -> list[tuple[float, float]]:
     optimizer = torch.optim.AdamW(
         [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
          {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-        lr=LR, betas=(0.9, 0.95), eps=1e-3, foreach=False,  # eps as in base_args
+        lr=LR, betas=(0.9, 0.95), eps=EPS, foreach=False,
     )
     history = []
     for step in range(PARITY_STEPS):

@@ -9,26 +9,36 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The 0.2 MB validation split is the training data of the tests: fast to tokenize, real text.
 SMALL_CORPUS = os.path.join(REPO, "assets", "data", "shakespeare", "validation.jsonl")
 PARITY_STEPS = 5
-MAX_NORM = 0.5
+# The suite's LLaMA flavor (models/llama/flavors.py): debugmodel's layout at a quarter of its width,
+# so a step of a multi-process layout costs a third of debugmodel's. MoE layouts keep their flavors.
+FLAVOR = "debugmodel_tiny"
+MAX_NORM = 0.3
+# Adam's eps and the learning rate decide how much a wrong clipping factor moves the weights:
+# clipping by 0.3 instead of 0.3 * sqrt(2) (a norm reduced over one of two ranks only) moves the loss
+# of steps 3-5 by 2.6-3.5e-4, over the 1e-4 parity tolerance; with eps 1e-8, 1e-7.
+EPS, LR = 1e-4, 3e-3
 # 32 tokens: divisible by 2·cp·tp = 8 of every cp layout; a step costs half of 64's.
 SEQ_LEN = 32
 
 
 def base_args(dump_folder: str, overrides: dict | None = None) -> list[str]:
-    """CLI arguments of a 5-step fp32 debugmodel run on the small corpus (global batch 8 × 32 tokens),
-    on the CPU, with gradient clipping engaged at every step."""
+    """CLI arguments of a 5-step fp32 run of the tests' flavor (:data:`FLAVOR`; MoE layouts name
+    their own) on the small corpus (global batch 8 × 32 tokens), on the CPU, with gradient clipping
+    engaged at every step."""
     settings = {
+        "model.flavor": FLAVOR,
         "job.dump_folder": dump_folder,
         "job.print_config": "false",
         # CPU even where CUDA exists: these tests compare gloo layouts with one CPU process.
         "job.device": "cpu",
-        # Below the grad norm of every step (0.77-0.94 here): clipping scales every update, so a
+        # Below the grad norm of every step (0.54-0.56 here): clipping scales every update, so a
         # wrong norm reduction over any mesh changes the weights and the next step's loss.
         "training.max_norm": str(MAX_NORM),
         # Adam divides each update by sqrt(v) + eps, which cancels any constant scale of the
         # gradients when eps is tiny: a wrong clipping factor would then leave the weights almost
-        # unchanged. An eps above the gradients' RMS (~2e-4 here) makes the update follow the scale.
-        "optimizer.eps": "1e-3",
+        # unchanged. An eps near the gradients' RMS (~7e-4 here) makes the update follow the scale.
+        "optimizer.eps": str(EPS),
+        "optimizer.lr": str(LR),
         "data.path": SMALL_CORPUS,
         "training.steps": str(PARITY_STEPS),
         "training.seq_len": str(SEQ_LEN),
@@ -43,6 +53,8 @@ def base_args(dump_folder: str, overrides: dict | None = None) -> list[str]:
         "metrics.time_attribution": "false",
         "comm.init_timeout_seconds": "60",
     }
+    if (overrides or {}).get("model.name", "llama") != "llama":
+        del settings["model.flavor"]  # another model family: its own default flavor unless named
     settings.update({key: str(value) for key, value in (overrides or {}).items()})
     argv: list[str] = []
     for key, value in settings.items():

@@ -18,6 +18,19 @@ llama3_flavors: dict[str, LlamaModelArgs] = {
         rope_theta=500000.0,
         max_seq_len=2048,
     ),
+    # ~0.6 M parameters, mostly the 4096-row embedding and output: the test suite's model (a step is
+    # 3-4x cheaper than debugmodel's). Grouped-query attention like debugmodel, and its 8 / 4 heads
+    # split over every tensor-parallel degree up to 4.
+    "debugmodel_tiny": LlamaModelArgs(
+        dim=64,
+        n_layers=6,
+        n_heads=8,
+        n_kv_heads=4,
+        vocab_size=4096,
+        multiple_of=64,
+        rope_theta=500000.0,
+        max_seq_len=2048,
+    ),
     # Llama 3.2 1B (Meta ships it with tied embeddings; here tying is `model.tie_embeddings`).
     "1B": LlamaModelArgs(
         dim=2048,
