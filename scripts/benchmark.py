@@ -73,11 +73,14 @@ class Bench:
         self.rows.append((case, what, value))
         print(f"  {what:<58} {value}", flush=True)
 
-    def timed(self, name: str, world_size: int, overrides: dict, *, independent: bool = False, **options):
+    def timed(self, name: str, world_size: int, overrides: dict, *, independent: bool = False,
+              timing: bool = True, **options):
         """Per-rank results of ``runs.timed_engine_run`` (``independent``: one-process runs side by
-        side, no process group); ``options``: count_comm, state_bytes."""
-        return run_distributed(_timed_with_options, world_size, self.argv(name, overrides), self.steps,
-                               self.warmup, options, timeout=600, torchrun_env=not independent)
+        side, no process group); ``options``: count_comm, state_bytes. ``timing=False``: only what
+        ``options`` ask for, after one step (FSDP's lazy set-up and the optimizer state are in place)."""
+        steps, warmup = (self.steps, self.warmup) if timing else (0, 1)
+        return run_distributed(_timed_with_options, world_size, self.argv(name, overrides), steps,
+                               warmup, options, timeout=600, torchrun_env=not independent)
 
 
 def _timed_with_options(argv, steps, warmup, options):
@@ -145,7 +148,7 @@ def case_comm(b: Bench) -> None:
                                    ("fsdp2_accum2_last", 2, {**FSDP2, "training.local_batch_size": b.local_batch_size // 2,
                                                              "training.global_batch_size": 2 * b.local_batch_size,
                                                              "parallelism.grad_sync_each_microbatch": "false"})):
-        r = b.timed(f"comm_{name}", world, overrides, count_comm=True)[0]
+        r = b.timed(f"comm_{name}", world, overrides, timing=False, count_comm=True)[0]
         comm, P, Pb, L = r["comm"], r["param_bytes"], r["block_bytes"], r["model_args"]["n_layers"]
         D = r["model_args"]["dim"]
         if name.startswith("fsdp2"):
@@ -170,9 +173,8 @@ def case_comm(b: Bench) -> None:
 
 
 def case_memory(b: Bench) -> None:
-    single = run_distributed(_timed_with_options, 1, b.argv("mem1", {}), 1, 1, {"state_bytes": True},
-                             torchrun_env=False, timeout=600)[0]["state"]
-    sharded = b.timed("mem_fsdp2", 2, FSDP2, state_bytes=True)
+    single = b.timed("mem1", 1, {}, independent=True, timing=False, state_bytes=True)[0]["state"]
+    sharded = b.timed("mem_fsdp2", 2, FSDP2, timing=False, state_bytes=True)
     out = {"single": single, "fsdp2": [r["state"] for r in sharded]}
     for kind in ("params", "grads", "optimizer"):
         ratio = max(r["state"][kind] for r in sharded) / single[kind]
