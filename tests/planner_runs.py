@@ -1,0 +1,84 @@
+"""What a real multi-process CPU run holds and sends, per rank, for comparison with engine/planner.
+
+:func:`measure_layouts` runs inside every rank of one process group (tests/dist_utils.py) and, for
+each layout in turn, builds a Trainer, trains one warm-up step and then measures the second step:
+- state bytes: local shards of the parameters, of the gradients just before ``optimizer.step()`` and
+  of every optimizer state tensor after it;
+- communication: every collective of the step (parallelisms/comm_counter.py ``CommCounter``),
+  attributed to mesh dims by ``group_names_by_mesh_dim``; payload and ring ("wire") bytes per dim.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+from tests.training_utils import base_args
+
+
+def _local_bytes(tensors) -> int:
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def measure_one(argv: list[str]) -> dict:
+    """One layout in this rank: {rank, coords, params, grads, optimizer, comm: {dim: {payload, wire}}}."""
+    import torch.distributed as dist
+
+    from engine.config import load_config
+    from engine.trainer import Trainer
+    from parallelisms.comm_counter import CommCounter, group_names_by_mesh_dim
+
+    cfg = load_config(argv)
+    cfg.validate()
+    trainer = Trainer(cfg)
+    try:
+        trainer.train_step()  # warm-up: lazy initialization, optimizer state created
+        grads: list[int] = []
+        params = [p for part in trainer.model_parts for p in part.parameters()]
+        handle = trainer.optimizer.register_step_pre_hook(
+            lambda *_: grads.append(_local_bytes([p.grad for p in params if p.grad is not None])))
+        with CommCounter() as comm:
+            trainer.train_step()
+        handle.remove()
+        names = group_names_by_mesh_dim(trainer.parallel_dims)
+        by_dim: dict[str, dict[str, float]] = {}
+        for record in comm.records:
+            dim = names.get(record.group_name, f"other:{record.group_name}")
+            if record.group_size == 1:
+                continue  # a size-1 group moves nothing (e.g. the loss sum over dp × cp = 1)
+            entry = by_dim.setdefault(dim, {"payload": 0, "wire": 0.0, "calls": 0, "kinds": {}})
+            entry["kinds"][record.kind] = entry["kinds"].get(record.kind, 0) + record.payload_bytes
+            entry["payload"] += record.payload_bytes
+            entry["wire"] += record.wire_bytes
+            entry["calls"] += 1
+        optimizer_tensors = [v for state in trainer.optimizer.state.values() for v in state.values()
+                             if hasattr(v, "numel")]
+        world = trainer.parallel_dims.mesh("world") if trainer.parallel_dims.mesh_built else None
+        coords = dict(zip(world.mesh_dim_names, world.get_coordinate())) if world is not None else {}
+        return {"rank": dist.get_rank() if dist.is_initialized() else 0, "coords": coords,
+                "params": _local_bytes(params), "grads": grads[0], "optimizer": _local_bytes(optimizer_tensors),
+                "comm": by_dim}
+    finally:
+        trainer.close()
+
+
+def measure_layouts(folder: str, layouts: dict[str, dict]) -> dict[str, dict | str]:
+    """In every rank: {layout name: :func:`measure_one` result, or the traceback of its failure}; after
+    a failure the remaining layouts are not run (the ranks may no longer agree)."""
+    results: dict[str, dict | str] = {}
+    failed = None
+    for name, overrides in layouts.items():
+        if failed is not None:
+            results[name] = f"not run: layout {failed} failed before it in the same ranks"
+            continue
+        try:
+            results[name] = measure_one(base_args(f"{folder}/{name}", {"training.steps": 2, **overrides}))
+        except Exception:  # noqa: BLE001 - reported by that layout's test
+            results[name] = traceback.format_exc()
+            failed = name
+    return results
