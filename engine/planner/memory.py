@@ -11,8 +11,8 @@ attention inputs q, k, v (k, v repeated to every query head), the attention outp
 (fused attention keeps no s×s scores), and the SwiGLU tensors w1·x, silu(w1·x), w3·x and their product.
 With b sequences of s tokens (s = seq_len / cp), width h, SwiGLU width f, n_heads a, on t = tp ranks:
 
-    per block (no AC)  =  b·s·h·(2/t' + 2/t' + 4/t + 2)·B  +  4·b·s·f/t·B  +  b·a·s/t·4
-                          norms' in/out   q,k,v,o    gathered inputs of wq.. and w1..
+    per block (no AC)  =  b·s·h·(2/t' + 4/t + 2)·B  +  4·b·s·f/t·B  +  b·a·s/t·4
+                          norm inputs  q,k,v,o  inputs of wq.. and w1.. (all-gathered under SP)
 
 where B = bytes per activation element (training.mixed_precision_param), t' = t with sequence
 parallel (norm tensors are sequence shards) else 1. ``full`` AC keeps only each block's input
@@ -89,7 +89,7 @@ def block_activation_bytes(layout, ac: str) -> int:
         f += a.n_shared_experts * a.moe_inter_dim
     bb = layout.param_bytes
     tsp = t if layout.sequence_parallel else 1
-    norms = 4 * b * s * h // tsp * bb  # two norms: input and output each
+    norms = 2 * b * s * h // tsp * bb  # the two norms' inputs (their outputs are the gathered inputs)
     gathered = 2 * b * s * h * bb  # the replicated inputs of wq/wk/wv and of w1/w3
     qkvo = 4 * b * s * h // t * bb
     lse = b * a.n_heads // t * s * 4
