@@ -60,7 +60,11 @@ def measure_one(argv: list[str]) -> dict:
                              if hasattr(v, "numel")]
         world = trainer.parallel_dims.mesh("world") if trainer.parallel_dims.mesh_built else None
         coords = dict(zip(world.mesh_dim_names, world.get_coordinate())) if world is not None else {}
-        return {"rank": dist.get_rank() if dist.is_initialized() else 0, "coords": coords,
+        # Mesh names that share a process group are counted under one name (the counter's): e.g.
+        # dp_shard_cp is dp_shard's group when cp = 1.
+        aliases = {name: names.get(mesh.get_group().group_name, name)
+                   for name, mesh in trainer.parallel_dims.meshes.items() if mesh.ndim == 1 and mesh.size() > 1}
+        return {"rank": dist.get_rank() if dist.is_initialized() else 0, "coords": coords, "aliases": aliases,
                 "params": _local_bytes(params), "grads": grads[0], "optimizer": _local_bytes(optimizer_tensors),
                 "comm": by_dim}
     finally:

@@ -59,7 +59,7 @@ class _Tally:
 
 def group_sizes(layout) -> dict[str, int]:
     """Size of each mesh dim's group (the names of parallelisms/parallel_dims.py)."""
-    return {"pp": layout.pp, "dp_replicate": layout.dp_replicate, "dp_shard_cp": layout.fsdp,
+    return {"pp": layout.pp, "dp_replicate": layout.dp_replicate, "dp_shard_cp": layout.fsdp, "dp_shard": layout.dp_shard,
             "dp_cp": layout.dp * layout.cp, "cp": layout.cp, "tp": layout.tp, "ep": layout.ep,
             "dp_shard_mod_ep": layout.fsdp // layout.ep}
 
@@ -150,9 +150,11 @@ def _data_parallel(layout, coords: dict, tally: _Tally, pb: int, rb: int) -> Non
             full = sum(p.local_numel for p in params) * rb
             tally.add("dp_replicate", "all_reduce", full * (a_steps if sync_each else 1))
         return
+    # HSDP shards over the 2-D mesh's second dim: dp_shard itself when cp = 1 (parallel_dims.py "hsdp")
+    shard_dim = "dp_shard" if layout.dp_replicate > 1 and layout.cp == 1 else "dp_shard_cp"
     units: dict[str, dict] = {}
     for p in params:
-        dim = "dp_shard_mod_ep" if p.unit.endswith(".experts") else "dp_shard_cp"
+        dim = "dp_shard_mod_ep" if p.unit.endswith(".experts") else shard_dim
         u = units.setdefault(p.unit, {"dim": dim, "padded": 0, "shard": 0})
         n = p.fsdp_size
         padded = padded_numel(p.tp_local, p.fsdp_dim, n) if n > 1 else p.local_numel
@@ -180,7 +182,7 @@ def _data_parallel(layout, coords: dict, tally: _Tally, pb: int, rb: int) -> Non
         tally.add(u["dim"], "reduce_scatter", reductions * u["padded"] * rb)
         if layout.dp_replicate > 1:
             tally.add("dp_replicate", "all_reduce", reductions * u["shard"] * rb)
-    tally.add("dp_shard_cp", "all_reduce", 8)  # gradient norm partial
+    tally.add(shard_dim, "all_reduce", 8)  # gradient norm partial
     if any(u["dim"] == "dp_shard_mod_ep" for u in units.values()):
         tally.add("dp_shard_mod_ep", "all_reduce", 8)
     del n_mb
