@@ -25,7 +25,40 @@ def _local_bytes(tensors) -> int:
     return total
 
 
-def measure_one(argv: list[str]) -> dict:
+def peak_activation_bytes(trainer) -> int:
+    """Peak bytes of activations and temporaries over one training step: the largest, at any tensor
+    allocation of the step, of torch's ``MemTracker`` categories ACT + TEMP + OTH (every live tensor
+    that is not a parameter, buffer, gradient or optimizer state).
+
+    ``MemTracker`` refuses a second forward of a root module (accumulation and pipeline
+    microbatches call it several times); those calls are let through, the peak is still tracked.
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class _RepeatedCalls(MemTracker):
+        activation_peak = 0
+
+        def _update_peak_stats(self, peak_state) -> None:
+            super()._update_peak_stats(peak_state)
+            for categories in self._curr_mem_snap.values():
+                named = {str(c).rsplit(".", 1)[-1]: b for c, b in categories.items()}
+                live = named.get("ACT", 0) + named.get("TEMP", 0) + named.get("OTH", 0)
+                self.activation_peak = max(self.activation_peak, live)
+
+        def _pre_fw_hook(self, module, inputs):
+            try:
+                super()._pre_fw_hook(module, inputs)
+            except NotImplementedError:  # the root module's next microbatch
+                pass
+
+    tracker = _RepeatedCalls()
+    tracker.track_external(*trainer.model_parts, trainer.optimizer)
+    with tracker:
+        trainer.train_step()
+    return tracker.activation_peak
+
+
+def measure_one(argv: list[str], activations: bool = False) -> dict:
     """One layout in this rank: {rank, coords, params, grads, optimizer, comm: {dim: {payload, wire}}}."""
     import torch.distributed as dist
 
@@ -45,6 +78,7 @@ def measure_one(argv: list[str]) -> dict:
         with CommCounter() as comm:
             trainer.train_step()
         handle.remove()
+        activation_peak = peak_activation_bytes(trainer) if activations else None
         names = group_names_by_mesh_dim(trainer.parallel_dims)
         by_dim: dict[str, dict[str, float]] = {}
         for record in comm.records:
@@ -66,7 +100,7 @@ def measure_one(argv: list[str]) -> dict:
                    for name, mesh in trainer.parallel_dims.meshes.items() if mesh.ndim == 1 and mesh.size() > 1}
         return {"rank": dist.get_rank() if dist.is_initialized() else 0, "coords": coords, "aliases": aliases,
                 "params": _local_bytes(params), "grads": grads[0], "optimizer": _local_bytes(optimizer_tensors),
-                "comm": by_dim}
+                "comm": by_dim, "activations": activation_peak}
     finally:
         trainer.close()
 
@@ -81,7 +115,9 @@ def measure_layouts(folder: str, layouts: dict[str, dict]) -> dict[str, dict | s
             results[name] = f"not run: layout {failed} failed before it in the same ranks"
             continue
         try:
-            results[name] = measure_one(base_args(f"{folder}/{name}", {"training.steps": 2, **overrides}))
+            overrides = dict(overrides)
+            activations = overrides.pop("measure_activations", False)
+            results[name] = measure_one(base_args(f"{folder}/{name}", {"training.steps": 3, **overrides}), activations)
         except Exception:  # noqa: BLE001 - reported by that layout's test
             results[name] = traceback.format_exc()
             failed = name
