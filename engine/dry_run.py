@@ -50,8 +50,11 @@ def dry_run(cfg, world_size: int, *, gpus_per_node: int) -> int:
 
     start = time.perf_counter()
     device_type = "cpu" if cfg.job.device == "cpu" else "cuda"
+    from engine.preflight import check_setup
+
     try:
         gpu, gpu_source = _gpu_for(cfg)
+        check_setup(cfg, world_size, device_type)  # every start-up rule, data paths included
         layout = Layout.from_config(cfg, world_size, device_type)
         built = [build_real_plan(cfg, world_size, 0, device_type=device_type)]
         if layout.pp > 1:  # the last stage holds the output head: build one of its ranks too
@@ -83,14 +86,34 @@ def dry_run(cfg, world_size: int, *, gpus_per_node: int) -> int:
     return 0 if est.fits else 1
 
 
+def fit_message(cfg, world_size: int, *, gpus_per_node: int, gpu, gpu_bytes: int, gpu_name: str) -> str | None:
+    """The warning line when the planner's per-rank total for ``cfg`` exceeds ``gpu_bytes``, else None.
+
+    Args:
+        gpu: the hardware table entry (bandwidths and peak for the estimate); gpu_bytes: the
+            device's memory in bytes; gpu_name: as the driver names it.
+
+    Raises:
+        ValueError: what the pre-flight refuses (the launcher has reported it already).
+    """
+    from engine.planner.estimate import estimate
+    from engine.planner.layout import Layout
+
+    m = estimate(Layout.from_config(cfg, world_size, "cuda"), gpu, gpus_per_node).memory
+    if m.total <= gpu_bytes:
+        return None
+    return (f"the planner predicts {m.total / GIB:.1f} GiB per GPU (params {m.params / GIB:.1f}, grads "
+            f"{m.grads / GIB:.1f}, optimizer {m.optimizer / GIB:.1f}, activations {m.activations / GIB:.1f}, FSDP "
+            f"buffers {m.transient / GIB:.1f}) but {gpu_name} has {gpu_bytes / GIB:.1f} GiB: expect out-of-memory; "
+            "try activation_checkpoint.mode = \"full\", a smaller training.local_batch_size, more tp or pp "
+            "(./scripts/plan.py ranks layouts)")
+
+
 def fit_warning(cfg, world_size: int, *, gpus_per_node: int) -> str | None:
-    """One warning line when the planner predicts the configured layout does not fit the detected GPU
-    (formulas only: milliseconds, no model is built), else None. Never raises: a planner problem must
-    not stop a launch."""
+    """:func:`fit_message` for the detected GPU (formulas only: milliseconds, no model is built); None
+    when no GPU of the hardware table family is detected. Never raises: advice must not stop a launch."""
     try:
-        from engine.planner.estimate import estimate
         from engine.planner.hardware import gpu_from_device_name
-        from engine.planner.layout import Layout
 
         name = _detected_gpu_name()
         gpu = gpu_from_device_name(name) if name else None
@@ -99,14 +122,7 @@ def fit_warning(cfg, world_size: int, *, gpus_per_node: int) -> str | None:
         import torch
 
         gpu_bytes = torch.cuda.get_device_properties(0).total_memory
-        est = estimate(Layout.from_config(cfg, world_size, "cuda"), gpu, gpus_per_node)
-        if est.memory.total <= gpu_bytes:
-            return None
-        m = est.memory
-        return (f"the planner predicts {m.total / GIB:.1f} GiB per GPU (params {m.params / GIB:.1f}, grads "
-                f"{m.grads / GIB:.1f}, optimizer {m.optimizer / GIB:.1f}, activations {m.activations / GIB:.1f}) but "
-                f"{name} has {gpu_bytes / GIB:.1f} GiB: expect out-of-memory; try activation_checkpoint.mode = "
-                f"\"full\", a smaller training.local_batch_size, more tp/pp, or see ./scripts/plan.py")
+        return fit_message(cfg, world_size, gpus_per_node=gpus_per_node, gpu=gpu, gpu_bytes=gpu_bytes, gpu_name=name)
     except Exception:  # noqa: BLE001 - advice only
         return None
 
