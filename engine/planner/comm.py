@@ -97,7 +97,8 @@ def comm_bytes(layout, coords: dict | None = None) -> dict[str, dict]:
             ends = (x if has_first else 0) + (x if has_last else 0)  # embedding and output head
             tally.add("tp", "all_gather", n_mb * (n_layers * per_block + ends))
             tally.add("tp", "reduce_scatter", n_mb * (n_layers * per_block + ends))
-            norms = sum(p.local_numel for p in rank_params(layout, coords) if p.spec.norm)
+            # replicated norm weights: their whole gradient, whatever FSDP shards (grad_norm.py)
+            norms = sum(p.spec.numel for p in rank_params(layout, coords) if p.spec.norm)
             tally.add("tp", "all_reduce", 4 * norms)
         else:
             per_block = 2 * x * recompute + 2 * x
@@ -183,6 +184,8 @@ def _data_parallel(layout, coords: dict, tally: _Tally, pb: int, rb: int) -> Non
         if layout.dp_replicate > 1:
             tally.add("dp_replicate", "all_reduce", reductions * u["shard"] * rb)
     tally.add(shard_dim, "all_reduce", 8)  # gradient norm partial
+    if layout.tp > 1:  # TP-sharded and TP-replicated gradients are summed in separate groups
+        tally.add(shard_dim, "all_reduce", 8)
     if any(u["dim"] == "dp_shard_mod_ep" for u in units.values()):
         tally.add("dp_shard_mod_ep", "all_reduce", 8)
     del n_mb
