@@ -123,3 +123,18 @@ def test_presets_fit_their_gpus(preset):
     cfg.validate()
     est = estimate(Layout.from_config(cfg, PRESETS[preset]), get_gpu("H100-80GB"), 8)
     assert est.fits, (preset, est.memory.as_dict())
+
+
+@pytest.mark.parametrize("model", ["llama", "moe"])
+def test_flops_per_token_equal_the_models_accounting(model):
+    """The planner's torch-free 6N + attention (active experts only) equals the models' own
+    ``get_nparams_and_flops`` on the built meta model, which MFU in training uses."""
+    from engine.model_builder import build_meta_model
+    from engine.planner.estimate import training_flops_per_token
+    from engine.planner.layout import Layout
+
+    layout = Layout.from_config(_cfg({"model.name": model}), 1, "cpu")
+    args = layout.model_args
+    spec = __import__("models.registry", fromlist=["get_model_spec"]).get_model_spec(model)
+    _, flops = args.get_nparams_and_flops(build_meta_model(spec, args), layout.seq_len)
+    assert training_flops_per_token(layout) == pytest.approx(flops, rel=1e-12)

@@ -23,7 +23,7 @@ from engine.planner.memory import MemoryEstimate, estimate_memory
 from engine.planner.schedule import layout_bubble
 
 DEFAULT_EFFICIENCY = 0.6
-_OVERLAPPED = ("dp_shard_cp", "dp_replicate", "dp_shard_mod_ep", "dp_cp")
+_OVERLAPPED = ("dp_shard_cp", "dp_shard", "dp_replicate", "dp_shard_mod_ep", "dp_cp")
 
 
 @dataclass
