@@ -10,7 +10,7 @@ the launcher's own pre-flight (engine/preflight.py) or is dropped.
 Decision matrix (the order a practitioner tries, from least to most communication):
 1. the full training state and activations fit one GPU            → DDP (dp_replicate = world)
 2. they fit when sharded over all ranks                           → FSDP (dp_shard = world)
-3. fast intra-node links (NVLink)                                 → TP inside the node + FSDP across
+3. fast intra-node links (NVLink)                                 → TP (or CP) inside the node + FSDP across
 4. otherwise                                                      → add PP across nodes
 The first row with a fitting layout applies; the reason quotes the bytes that decided it.
 """
@@ -119,7 +119,7 @@ def _row_of(est: LayoutEstimate) -> int:
     d = est.layout
     if d.tp == d.pp == d.cp == 1 and d.dp_shard == 1:
         return 1
-    if d.tp == d.pp == 1:
+    if d.tp == d.pp == d.cp == 1:
         return 2
     if d.pp == 1:
         return 3
