@@ -65,11 +65,13 @@ class Layout:
     # ------------------------------------------------------------------ derived settings
     @property
     def degrees(self) -> dict[str, int]:
+        """{pp, dp_replicate, dp_shard, cp, tp, ep}: the degrees as resolved (dp_shard = -1 filled)."""
         return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp,
                 "tp": self.tp, "ep": self.ep}
 
     @property
     def dp(self) -> int:
+        """Data-parallel degree dp_replicate × dp_shard (sample streams)."""
         return self.dp_replicate * self.dp_shard
 
     @property
@@ -84,10 +86,12 @@ class Layout:
 
     @property
     def reduce_bytes(self) -> int:
+        """Bytes per element of gradient reduction (training.mixed_precision_reduce)."""
         return DTYPE_BYTES[self.cfg.training.mixed_precision_reduce]
 
     @property
     def sequence_parallel(self) -> bool:
+        """Whether TP's residual stream is sequence-sharded (tp > 1 and parallelism.sequence_parallel)."""
         return self.tp > 1 and self.cfg.parallelism.sequence_parallel
 
     @property
@@ -102,6 +106,7 @@ class Layout:
 
     @property
     def ac(self) -> tuple[str, str]:
+        """(activation_checkpoint.mode, selective_ac_option)."""
         return self.cfg.activation_checkpoint.mode, self.cfg.activation_checkpoint.selective_ac_option
 
     @property

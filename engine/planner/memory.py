@@ -56,9 +56,11 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
+        """The sum of every term, bytes."""
         return self.params + self.grads + self.optimizer + self.activations + self.transient
 
     def as_dict(self) -> dict[str, int]:
+        """The JSON form: every term and the total, bytes."""
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
                 "activations": self.activations, "transient": self.transient, "total": self.total}
 

@@ -42,6 +42,7 @@ class StateBytes:
 
     @property
     def total(self) -> int:
+        """params + grads + optimizer, bytes."""
         return self.params + self.grads + self.optimizer
 
 
