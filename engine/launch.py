@@ -189,6 +189,7 @@ def _summarize_failure(error, error_dir: str, signals: _Signals) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Pre-flight, launch and wait; returns the exit status (see the module docstring)."""
     argv = sys.argv[1:] if argv is None else argv
+    argv = [token for arg in argv for token in (["--job.dry_run", "true"] if arg == "--dry_run" else [arg])]
     from engine.config import ConfigError, load_config
 
     try:
@@ -197,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         nnodes = _env_int("NNODES", 1)
         gpus = _gpus_visible()
         nproc = _nproc_per_node(gpus)
+        if cfg.job.dry_run:  # one process, no rendezvous: NNODES needs no MASTER_ADDR here
+            from engine.dry_run import dry_run
+
+            return dry_run(cfg, nproc * nnodes, gpus_per_node=nproc)
         if not os.environ.get("OMP_NUM_THREADS"):  # processes share the cores: one share each
             os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
         entry = ["-m", "engine.train", *argv]
@@ -219,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for warning in [*cfg.warnings(), *hardware_warnings(cfg, device_type)]:
         _say(f"warning: {warning}")
+    if gpus:  # the planner's fit check; only where CUDA GPUs are (the CPU path imports no torch here)
+        from engine.dry_run import fit_warning
+
+        warning = fit_warning(cfg, world_size, gpus_per_node=nproc)
+        if warning:
+            _say(f"warning: {warning}")
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run

@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg.validate()
     except ConfigError as error:
         return _fail(rank, "config error", error, 2)
+    if cfg.job.dry_run:  # one process for the whole world (engine/dry_run.py), not one per rank
+        return _fail(rank, "config error", "job.dry_run = true is done by the launcher in one process: run "
+                     "./run_train.sh --dry_run (or python -m engine.launch ... --dry_run), not torchrun", 2)
 
     from engine import signals
 

@@ -42,6 +42,11 @@ class JobSection:
     device: str = _opt("auto", "auto|cpu|cuda (auto: cuda:LOCAL_RANK when CUDA exists, else cpu)",
                        choices=("auto", "cpu", "cuda"))
     print_config: bool = _opt(True, "print the resolved config (as TOML) at start on rank 0")
+    dry_run: bool = _opt(False, "build the real model and plan on the meta device under a fake process group of "
+                         "NGPU x NNODES ranks (one process, no GPU), print the planner's report, exit "
+                         "(./run_train.sh --dry_run)")
+    dry_run_gpu: str = _opt("", "hardware table GPU the dry run checks the fit against (engine/planner/hardware.py); "
+                            "empty: the detected GPU, else H100-80GB")
 
 
 @dataclass

@@ -1,0 +1,136 @@
+"""``./run_train.sh --dry_run``: the configured run's real model and plan, built without a GPU.
+
+One process joins a fake process group of the run's full world size (``NGPU × NNODES``; torch's
+``backend="fake"``, as TorchTitan's dry run), builds rank 0's (and, under pipeline parallel, the last
+stage's) real parallelized model on the meta device (engine/planner/real_plan.py), so every rule the
+ranks check at start-up and every rule the plan itself enforces runs, and prints the planner's report
+for this one layout: per-rank parameter, gradient and optimizer bytes from the real plan's local
+shards, activations, communication per mesh dim, bubble, step time, MFU and whether it fits the GPU.
+Exit status 0 when it fits, 1 when it does not, 2 on a set-up error (one line).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+GIB = 1024**3
+
+
+def _gpu_for(cfg):
+    from engine.planner.hardware import get_gpu, gpu_from_device_name
+
+    if cfg.job.dry_run_gpu:
+        return get_gpu(cfg.job.dry_run_gpu), "job.dry_run_gpu"
+    detected = _detected_gpu_name()
+    if detected:
+        gpu = gpu_from_device_name(detected)
+        if gpu is not None:
+            return gpu, f"detected {detected}"
+    return get_gpu("H100-80GB"), "default (set job.dry_run_gpu to choose)"
+
+
+def _detected_gpu_name() -> str | None:
+    if "torch" not in sys.modules:
+        return None
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+def dry_run(cfg, world_size: int, *, gpus_per_node: int) -> int:
+    """Build, check and report (module docstring); returns the exit status."""
+    from engine.planner.estimate import estimate
+    from engine.planner.hardware import HardwareError
+    from engine.planner.layout import Layout
+    from engine.planner.memory import MemoryEstimate, state_bytes
+    from engine.planner.real_plan import build_real_plan, rank_of
+    from engine.planner.report import table
+
+    start = time.perf_counter()
+    device_type = "cpu" if cfg.job.device == "cpu" else "cuda"
+    from engine.preflight import check_setup
+
+    try:
+        gpu, gpu_source = _gpu_for(cfg)
+        check_setup(cfg, world_size, device_type)  # every start-up rule, data paths included
+        layout = Layout.from_config(cfg, world_size, device_type)
+        built = [build_real_plan(cfg, world_size, 0, device_type=device_type)]
+        if layout.pp > 1:  # the last stage holds the output head: build one of its ranks too
+            dims = built[0].parallel_dims
+            built.append(build_real_plan(cfg, world_size, rank_of({"pp": layout.pp - 1}, dims), device_type=device_type))
+    except (ValueError, FileNotFoundError, HardwareError) as error:
+        print(f"set-up error: {error}", file=sys.stderr)
+        return 2
+    est = estimate(layout, gpu, gpus_per_node)
+    busiest = max(built, key=lambda r: r.state.total)
+    real = busiest.state
+    formula = state_bytes(layout, busiest.coords)
+    mem = est.memory
+    est.memory = MemoryEstimate(real.params, real.grads, real.optimizer, mem.activations, mem.transient)
+    est.fits = est.memory.total <= gpu.memory_bytes
+    seconds = time.perf_counter() - start
+    c = cfg
+    print(f"dry run: {c.model.name} {c.model.flavor}, {world_size} ranks ({gpus_per_node} per node), "
+          f"seq_len {layout.seq_len}, global batch {layout.global_batch_size}; GPU {gpu.name} ({gpu_source})")
+    for r in built:
+        print(f"  real plan of rank {r.rank} {r.coords}: {r.state.n_tensors} parameter tensors, "
+              f"{r.state.param_elements:,} local parameters of {r.unsharded_param_elements:,} on its stages")
+    agree = "equal" if formula == real else f"DIFFER (formula {formula})"
+    print(f"  planner formulas vs real plan (rank {busiest.rank}): {agree}")
+    print(table([est.as_dict()]))
+    verdict = "fits" if est.fits else "does NOT fit"
+    print(f"dry run: {verdict}: {est.memory.total / GIB:.1f} GiB per rank of {gpu.memory_bytes / GIB:.0f} GiB; "
+          f"checked in {seconds:.1f} s")
+    return 0 if est.fits else 1
+
+
+def fit_message(cfg, world_size: int, *, gpus_per_node: int, gpu, gpu_bytes: int, gpu_name: str) -> str | None:
+    """The warning line when the planner's per-rank total for ``cfg`` exceeds ``gpu_bytes``, else None.
+
+    Args:
+        gpu: the hardware table entry (bandwidths and peak for the estimate); gpu_bytes: the
+            device's memory in bytes; gpu_name: as the driver names it.
+
+    Raises:
+        ValueError: what the pre-flight refuses (the launcher has reported it already).
+    """
+    from engine.planner.estimate import estimate
+    from engine.planner.layout import Layout
+
+    m = estimate(Layout.from_config(cfg, world_size, "cuda"), gpu, gpus_per_node).memory
+    if m.total <= gpu_bytes:
+        return None
+    return (f"the planner predicts {m.total / GIB:.1f} GiB per GPU (params {m.params / GIB:.1f}, grads "
+            f"{m.grads / GIB:.1f}, optimizer {m.optimizer / GIB:.1f}, activations {m.activations / GIB:.1f}, FSDP "
+            f"buffers {m.transient / GIB:.1f}) but {gpu_name} has {gpu_bytes / GIB:.1f} GiB: expect out-of-memory; "
+            "try activation_checkpoint.mode = \"full\", a smaller training.local_batch_size, more tp or pp "
+            "(./scripts/plan.py ranks layouts)")
+
+
+def fit_warning(cfg, world_size: int, *, gpus_per_node: int) -> str | None:
+    """:func:`fit_message` for the detected GPU (formulas only: milliseconds, no model is built); None
+    when no GPU of the hardware table family is detected. Never raises: advice must not stop a launch."""
+    try:
+        from engine.planner.hardware import gpu_from_device_name
+
+        name = _detected_gpu_name()
+        gpu = gpu_from_device_name(name) if name else None
+        if gpu is None:
+            return None
+        import torch
+
+        gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+        return fit_message(cfg, world_size, gpus_per_node=gpus_per_node, gpu=gpu, gpu_bytes=gpu_bytes, gpu_name=name)
+    except Exception:  # noqa: BLE001 - advice only
+        return None
+
+
+if __name__ == "__main__":  # python -m engine.dry_run --job.config_file X [overrides]; WORLD_SIZE from NGPU × NNODES
+    from engine.config import load_config
+
+    _cfg = load_config(sys.argv[1:])
+    _cfg.validate()
+    _n = int(os.environ.get("NGPU", "8"))
+    sys.exit(dry_run(_cfg, _n * int(os.environ.get("NNODES", "1")), gpus_per_node=_n))

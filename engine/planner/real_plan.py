@@ -1,0 +1,166 @@
+"""Per-rank state bytes from the run's real model and parallelize plan, built on the meta device.
+
+One process joins a *fake* process group of the full world size (torch's ``backend="fake"`` with
+``torch.testing._internal.distributed.fake_pg.FakeStore``: collectives complete without moving data,
+as in TorchTitan's dry run), takes the place of one rank, builds the mesh, this rank's pipeline
+stages and the model's own plan (TP, EP, CP, AC, FSDP/HSDP/DDP) on the meta device, and reads the
+local shard of every parameter (``DTensor.to_local()``): its shape is what that rank allocates.
+Nothing is allocated and no GPU is needed, so 405B on thousands of ranks builds in seconds.
+
+Bytes per rank (units: bytes):
+- parameters: Σ local numel × element size of the sharded (master, fp32) parameters;
+- gradients: the same local shapes in the parameter dtype (FSDP2/DTensor gradients are laid out like
+  their parameters, tests/training_utils.py ``gradient_placement_errors``);
+- optimizer: AdamW's ``exp_avg`` and ``exp_avg_sq`` (each the parameter's local shape and dtype) and
+  one 0-d fp32 ``step`` tensor per parameter (torch.optim.AdamW with foreach/fused keeps ``step`` as a
+  float32 tensor; torch docs, torch.optim.AdamW).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+STEP_TENSOR_BYTES = 4  # AdamW's per-parameter fp32 ``step`` tensor
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes one rank holds for parameters, gradients and optimizer state, and the tensors counted.
+
+    Attributes:
+        params, grads, optimizer: bytes (see the module docstring).
+        n_tensors: parameter tensors on this rank (one AdamW ``step`` each).
+        param_elements: Σ local numel.
+    """
+
+    params: int
+    grads: int
+    optimizer: int
+    n_tensors: int
+    param_elements: int
+
+    @property
+    def total(self) -> int:
+        """params + grads + optimizer, bytes."""
+        return self.params + self.grads + self.optimizer
+
+
+def state_bytes_of_params(params) -> StateBytes:
+    """:class:`StateBytes` of an iterable of (possibly DTensor) parameters, from their local shards."""
+    from torch.distributed.tensor import DTensor
+
+    elements = nbytes = count = 0
+    for param in params:
+        local = param.to_local() if isinstance(param, DTensor) else param
+        elements += local.numel()
+        nbytes += local.numel() * local.element_size()
+        count += 1
+    return StateBytes(params=nbytes, grads=nbytes, optimizer=2 * nbytes + STEP_TENSOR_BYTES * count,
+                      n_tensors=count, param_elements=elements)
+
+
+@dataclass
+class RealPlan:
+    """The real plan of one rank built under the fake process group.
+
+    Attributes:
+        rank: the rank built; coords: its coordinate per mesh dim (pp, dp_replicate, dp_shard, cp, tp).
+        parts: the parallelized meta model parts (pipeline stages) of that rank.
+        state: :class:`StateBytes` of the parts.
+        parallel_dims, setup: the validated degrees (mesh built) and the pre-flight's ``SetupPlan``.
+        pp_plan: the rank's ``PipelinePlan`` (None without pipeline parallel).
+        unsharded_param_elements: Σ global numel of the rank's parameters (what FSDP gathers).
+    """
+
+    rank: int
+    coords: dict
+    parts: list
+    state: StateBytes
+    parallel_dims: object
+    setup: object
+    pp_plan: object
+    unsharded_param_elements: int
+    extras: dict = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int, rank: int):
+    """A fake process group of ``world_size`` ranks in which this process is ``rank`` (no data moves)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group already exists in this process; the dry run needs its own")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def rank_of(coords: dict, dims) -> int:
+    """Global rank of a mesh coordinate (row-major over pp, dp_replicate, dp_shard, cp, tp)."""
+    rank = 0
+    for name, size in (("pp", dims.pp), ("dp_replicate", dims.dp_replicate), ("dp_shard", dims.dp_shard),
+                       ("cp", dims.cp), ("tp", dims.tp)):
+        rank = rank * size + coords.get(name, 0)
+    return rank
+
+
+def build_real_plan(cfg, world_size: int, rank: int = 0, *, device_type: str = "cuda") -> RealPlan:
+    """Build rank ``rank``'s parallelized model parts on the meta device under a fake process group.
+
+    Runs every check the ranks run at start-up (engine/preflight.py ``check_setup`` without the data
+    files), then the trainer's own build path minus allocation: mesh → pipeline plan → meta model →
+    stages → the model's parallelize function.
+
+    Args:
+        cfg: a validated ``JobConfig``; world_size: ranks of the run; rank: which one to build.
+        device_type: the device the run will use ("cuda" for GPUs); only device-dependent rules read it.
+
+    Returns:
+        a :class:`RealPlan` (its meta modules stay usable after the fake group is destroyed).
+
+    Raises:
+        ValueError (and subclasses): what a rank would refuse at start-up, one line each.
+    """
+    import torch
+
+    from engine.model_builder import build_meta_model
+    from engine.preflight import check_setup
+    from models.registry import load_ref
+    from parallelisms.context_parallel import ContextParallel
+    from parallelisms.pipeline import build_stage_module
+    from parallelisms.pipeline_plan import plan_model_pipeline
+
+    setup = check_setup(cfg, world_size, device_type, check_data=False)
+    dims = setup.parallel_dims
+    p, t = cfg.parallelism, cfg.training
+    with fake_process_group(world_size, rank), torch.device("meta"):
+        dims.build_mesh("cpu")
+        world = dims.mesh("world")
+        coords = dict(zip(world.mesh_dim_names, world.get_coordinate()))
+        cp = ContextParallel(dims.mesh("cp"), t.seq_len, p.cp_load_balance) if dims.cp_enabled else None
+        pp_plan = None
+        if dims.pp_enabled:
+            pp_plan = plan_model_pipeline(p, setup.model_args, local_batch_size=t.local_batch_size,
+                                          pp_rank=coords["pp"])
+        model = build_meta_model(setup.model_spec, setup.model_args)
+        if pp_plan is None:
+            parts = [model]
+        else:
+            last = pp_plan.num_stages - 1
+            parts = [build_stage_module(model, pp_plan.stage_layers[s], s == 0, s == last) for s in pp_plan.local_stages]
+            del model
+        parallelize = load_ref(setup.model_spec.parallelize_fn)
+        for part in parts:
+            parallelize(part, dims, parallelism_cfg=p, ac_cfg=cfg.activation_checkpoint, compile_cfg=cfg.compile,
+                        param_dtype=t.mixed_precision_param, reduce_dtype=t.mixed_precision_reduce,
+                        context_parallel=cp, global_batch_size=setup.global_batch_size,
+                        backend="nccl" if device_type == "cuda" else "gloo")
+        params = [param for part in parts for param in part.parameters()]
+        state = state_bytes_of_params(params)
+        unsharded = sum(param.numel() for param in params)
+    return RealPlan(rank=rank, coords=coords, parts=parts, state=state, parallel_dims=dims, setup=setup,
+                    pp_plan=pp_plan, unsharded_param_elements=unsharded)

@@ -1,0 +1,124 @@
+"""What a real multi-process CPU run holds and sends, per rank, for comparison with engine/planner.
+
+:func:`measure_layouts` runs inside every rank of one process group (tests/dist_utils.py) and, for
+each layout in turn, builds a Trainer, trains one warm-up step and then measures the second step:
+- state bytes: local shards of the parameters, of the gradients just before ``optimizer.step()`` and
+  of every optimizer state tensor after it;
+- communication: every collective of the step (parallelisms/comm_counter.py ``CommCounter``),
+  attributed to mesh dims by ``group_names_by_mesh_dim``; payload and ring ("wire") bytes per dim.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+from tests.training_utils import base_args
+
+
+def _local_bytes(tensors) -> int:
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def peak_activation_bytes(trainer) -> int:
+    """Peak bytes of activations and temporaries over one training step: the largest, at any tensor
+    allocation of the step, of torch's ``MemTracker`` categories ACT + TEMP + OTH (every live tensor
+    that is not a parameter, buffer, gradient or optimizer state).
+
+    ``MemTracker`` refuses a second forward of a root module (accumulation and pipeline
+    microbatches call it several times); those calls are let through, the peak is still tracked.
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class _RepeatedCalls(MemTracker):
+        activation_peak = 0
+
+        def _update_peak_stats(self, peak_state) -> None:
+            super()._update_peak_stats(peak_state)
+            for categories in self._curr_mem_snap.values():
+                named = {str(c).rsplit(".", 1)[-1]: b for c, b in categories.items()}
+                live = named.get("ACT", 0) + named.get("TEMP", 0) + named.get("OTH", 0)
+                self.activation_peak = max(self.activation_peak, live)
+
+        def _pre_fw_hook(self, module, inputs):
+            try:
+                super()._pre_fw_hook(module, inputs)
+            except NotImplementedError:  # the root module's next microbatch
+                pass
+
+    tracker = _RepeatedCalls()
+    tracker.track_external(*trainer.model_parts, trainer.optimizer)
+    with tracker:
+        trainer.train_step()
+    return tracker.activation_peak
+
+
+def measure_one(argv: list[str], activations: bool = False) -> dict:
+    """One layout in this rank: {rank, coords, params, grads, optimizer, comm: {dim: {payload, wire}}}."""
+    import torch.distributed as dist
+
+    from engine.config import load_config
+    from engine.trainer import Trainer
+    from parallelisms.comm_counter import CommCounter, group_names_by_mesh_dim
+
+    cfg = load_config(argv)
+    cfg.validate()
+    trainer = Trainer(cfg)
+    try:
+        trainer.train_step()  # warm-up: lazy initialization, optimizer state created
+        grads: list[int] = []
+        params = [p for part in trainer.model_parts for p in part.parameters()]
+        handle = trainer.optimizer.register_step_pre_hook(
+            lambda *_: grads.append(_local_bytes([p.grad for p in params if p.grad is not None])))
+        with CommCounter() as comm:
+            trainer.train_step()
+        handle.remove()
+        activation_peak = peak_activation_bytes(trainer) if activations else None
+        names = group_names_by_mesh_dim(trainer.parallel_dims)
+        by_dim: dict[str, dict[str, float]] = {}
+        for record in comm.records:
+            dim = names.get(record.group_name, f"other:{record.group_name}")
+            if record.group_size == 1:
+                continue  # a size-1 group moves nothing (e.g. the loss sum over dp × cp = 1)
+            entry = by_dim.setdefault(dim, {"payload": 0, "wire": 0.0, "calls": 0, "kinds": {}})
+            entry["kinds"][record.kind] = entry["kinds"].get(record.kind, 0) + record.payload_bytes
+            entry["payload"] += record.payload_bytes
+            entry["wire"] += record.wire_bytes
+            entry["calls"] += 1
+        optimizer_tensors = [v for state in trainer.optimizer.state.values() for v in state.values()
+                             if hasattr(v, "numel")]
+        world = trainer.parallel_dims.mesh("world") if trainer.parallel_dims.mesh_built else None
+        coords = dict(zip(world.mesh_dim_names, world.get_coordinate())) if world is not None else {}
+        # Mesh names that share a process group are counted under one name (the counter's): e.g.
+        # dp_shard_cp is dp_shard's group when cp = 1.
+        aliases = {name: names.get(mesh.get_group().group_name, name)
+                   for name, mesh in trainer.parallel_dims.meshes.items() if mesh.ndim == 1 and mesh.size() > 1}
+        return {"rank": dist.get_rank() if dist.is_initialized() else 0, "coords": coords, "aliases": aliases,
+                "params": _local_bytes(params), "grads": grads[0], "optimizer": _local_bytes(optimizer_tensors),
+                "comm": by_dim, "activations": activation_peak}
+    finally:
+        trainer.close()
+
+
+def measure_layouts(folder: str, layouts: dict[str, dict]) -> dict[str, dict | str]:
+    """In every rank: {layout name: :func:`measure_one` result, or the traceback of its failure}; after
+    a failure the remaining layouts are not run (the ranks may no longer agree)."""
+    results: dict[str, dict | str] = {}
+    failed = None
+    for name, overrides in layouts.items():
+        if failed is not None:
+            results[name] = f"not run: layout {failed} failed before it in the same ranks"
+            continue
+        try:
+            overrides = dict(overrides)
+            activations = overrides.pop("measure_activations", False)
+            results[name] = measure_one(base_args(f"{folder}/{name}", {"training.steps": 3, **overrides}), activations)
+        except Exception:  # noqa: BLE001 - reported by that layout's test
+            results[name] = traceback.format_exc()
+            failed = name
+    return results

@@ -1,0 +1,47 @@
+"""``./run_train.sh --dry_run`` (engine/dry_run.py through engine/launch.py): 405B on 512 ranks builds
+its real plan in one process without a GPU, reports and exits; bad layouts fail with one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.training_utils import REPO
+
+
+def _launch(*args: str, **env_vars: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", **env_vars)
+    return subprocess.run([sys.executable, "-m", "engine.launch", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_dry_run_405b_on_512_ranks():
+    result = _launch("--job.config_file", "train_configs/llama3_405b.toml", "--dry_run", NGPU="8", NNODES="64")
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout
+    assert "512 ranks" in out and "planner formulas vs real plan (rank 0): equal" in out, out
+    assert "dry run: fits" in out, out
+
+
+def test_dry_run_refuses_a_bad_layout_in_one_line():
+    result = _launch("--job.config_file", "train_configs/debug_model.toml", "--dry_run", "--parallelism.tp", "3",
+                     NGPU="6")
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "parallelism.tp" in lines[0] and "Traceback" not in result.stderr, result.stderr
+
+
+def test_fit_warning_names_the_predicted_bytes():
+    """The launcher's GPU pre-flight warning (engine/dry_run.py ``fit_message``): the 8B preset on one
+    80 GiB GPU cannot hold its 120 GiB of state; the debug model can."""
+    from engine.config import load_config
+    from engine.dry_run import fit_message
+    from engine.planner.hardware import GIB, get_gpu
+
+    gpu = get_gpu("H100-80GB")
+    big = load_config(["--job.config_file", os.path.join(REPO, "train_configs", "llama3_8b.toml")])
+    message = fit_message(big, 1, gpus_per_node=1, gpu=gpu, gpu_bytes=80 * GIB, gpu_name="NVIDIA H100 80GB HBM3")
+    assert message and "optimizer 59.8" in message and "has 80.0 GiB" in message, message
+    small = load_config(["--job.config_file", os.path.join(REPO, "train_configs", "debug_model.toml")])
+    assert fit_message(small, 2, gpus_per_node=2, gpu=gpu, gpu_bytes=80 * GIB, gpu_name="x") is None

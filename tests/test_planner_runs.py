@@ -1,0 +1,141 @@
+"""engine/planner against real multi-process CPU runs of the debug models (gloo).
+
+Per layout and rank: the parameter, gradient and optimizer bytes the run holds equal, byte for byte,
+the real plan's local shards (built for that rank under a fake process group) and the planner's
+formulas; the bytes of every collective of one step, per mesh dim (parallelisms/comm_counter.py),
+equal the formulas of engine/planner/comm.py within 2 %. Layouts of a world size share one set of
+forked ranks (tests/planner_runs.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist_utils import run_distributed
+from tests.planner_runs import measure_layouts
+from tests.training_utils import base_args
+
+pytestmark = pytest.mark.slow  # multi-process training
+
+COMM_TOLERANCE = 0.02
+ACTIVATION_TOLERANCE = 0.15
+MEASURE = {"measure_activations": True}  # also track the step's peak activation bytes (MemTracker)
+ACCUM2 = {"training.local_batch_size": 2}  # global 8 over dp 2: two accumulation microbatches
+LAYOUTS = {
+    # name: (world_size, overrides)
+    "fsdp2_accum2": (2, {"parallelism.dp_shard": 2, **ACCUM2}),
+    "fsdp2_accum2_sync_last": (2, {"parallelism.dp_shard": 2, **ACCUM2, "parallelism.grad_sync_each_microbatch": "false"}),
+    "ddp2_accum2": (2, {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 1, **ACCUM2}),
+    "tp2_sp": (2, {**MEASURE, "parallelism.dp_shard": 1, "parallelism.tp": 2, "training.local_batch_size": 4}),
+    "tp2_no_sp": (2, {**MEASURE, "parallelism.dp_shard": 1, "parallelism.tp": 2, "parallelism.sequence_parallel": "false",
+                      "training.local_batch_size": 4}),
+    "cp2_fsdp": (2, {"parallelism.dp_shard": 1, "parallelism.cp": 2, "training.local_batch_size": 4}),
+    "pp2_1f1b_accum2": (2, {**MEASURE, "parallelism.dp_shard": 1, "parallelism.pp": 2, "parallelism.pp_microbatch_size": 2,
+                            "training.local_batch_size": 4}),
+    "moe_ep2_fsdp2": (2, {"model.name": "moe", "parallelism.dp_shard": 2, "parallelism.ep": 2, **ACCUM2}),
+    # one process: activation checkpointing modes
+    "single_ac_none": (1, {**MEASURE}),
+    "single_ac_full": (1, {**MEASURE, "activation_checkpoint.mode": "full"}),
+    "single_ac_op": (1, {**MEASURE, "activation_checkpoint.mode": "selective"}),
+    "single_ac_every2": (1, {**MEASURE, "activation_checkpoint.mode": "selective",
+                             "activation_checkpoint.selective_ac_option": "2"}),
+    "fsdp3_uneven": (3, {"parallelism.dp_shard": 3, "training.local_batch_size": 1, "training.global_batch_size": 6}),
+    "hsdp2x2_accum2": (4, {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 2, "training.local_batch_size": 1}),
+    "tp2_fsdp2_sp": (4, {"parallelism.tp": 2, "parallelism.dp_shard": 2, "training.local_batch_size": 4}),
+}
+EP_LAYOUTS = {"moe_ep2_fsdp2"}  # all-to-all bytes per rank follow the routing: compare the rank mean
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("planner_runs"))
+    cache: dict[int, list[dict]] = {}
+
+    def get(name: str) -> list[dict]:
+        world_size, _ = LAYOUTS[name]
+        if world_size not in cache:
+            same = {n: o for n, (w, o) in LAYOUTS.items() if w == world_size}
+            cache[world_size] = run_distributed(measure_layouts, world_size, f"{folder}/w{world_size}", same,
+                                                timeout=60.0 + 40.0 * world_size * len(same),
+                                                torchrun_env=world_size > 1)
+        per_rank = [results[name] for results in cache[world_size]]
+        for result in per_rank:
+            if isinstance(result, str):
+                raise AssertionError(f"layout {name}:\n{result}")
+        return per_rank
+
+    return get
+
+
+def _layout(name: str):
+    from engine.config import load_config
+    from engine.planner.layout import Layout
+
+    world_size, overrides = LAYOUTS[name]
+    overrides = {k: v for k, v in overrides.items() if k != "measure_activations"}
+    cfg = load_config(base_args("/tmp/unused", {"training.steps": 3, **overrides}))
+    cfg.validate()
+    return cfg, Layout.from_config(cfg, world_size, "cpu")
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_state_bytes_equal_real_plan_and_run(name, runs):
+    from engine.planner.memory import state_bytes
+    from engine.planner.real_plan import build_real_plan
+
+    cfg, layout = _layout(name)
+    measured = runs(name)
+    sizes = set()
+    for m in measured:
+        real = build_real_plan(cfg, layout.world_size, m["rank"], device_type="cpu").state
+        held = (m["params"], m["grads"], m["optimizer"])
+        assert (real.params, real.grads, real.optimizer) == held, (m["rank"], real, held)
+        formula = state_bytes(layout, m["coords"])
+        assert (formula.params, formula.grads, formula.optimizer) == held, (m["rank"], formula, held)
+        sizes.add(m["params"])
+    if "uneven" in name:
+        assert len(sizes) > 1, "ranks were meant to hold different shard sizes"
+
+
+def _merged(predicted: dict, aliases: dict) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for dim, v in predicted.items():
+        key = aliases.get(dim, dim)
+        out[key] = out.get(key, 0.0) + v["payload"]
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_comm_bytes_per_mesh_dim_match_counted(name, runs):
+    from engine.planner.comm import comm_bytes
+
+    _, layout = _layout(name)
+    measured = runs(name)
+    rows = []
+    for m in measured:
+        predicted = _merged(comm_bytes(layout, m["coords"]), m["aliases"])
+        counted = {dim: v["payload"] for dim, v in m["comm"].items()}
+        rows.append((predicted, counted))
+    if name in EP_LAYOUTS:
+        dims = set().union(*(set(p) | set(c) for p, c in rows))
+        rows = [tuple({d: sum(r[i].get(d, 0) for r in rows) / len(rows) for d in dims} for i in (0, 1))]
+    for predicted, counted in rows:
+        assert set(predicted) == set(counted), (predicted, counted)
+        for dim, want in counted.items():
+            assert abs(predicted[dim] - want) <= COMM_TOLERANCE * want, (dim, predicted[dim], want)
+
+
+ACTIVATION_LAYOUTS = sorted(n for n, (_, o) in LAYOUTS.items() if o.get("measure_activations"))
+
+
+@pytest.mark.parametrize("name", ACTIVATION_LAYOUTS)
+def test_activation_formula_within_15_percent_of_measured_peak(name, runs):
+    """engine/planner/memory.py's activation bytes vs the peak of non-state tensor bytes of a step
+    (tests/planner_runs.py ``peak_activation_bytes``), on every rank (both pipeline stages)."""
+    from engine.planner.memory import activation_bytes
+
+    _, layout = _layout(name)
+    for m in runs(name):
+        predicted = activation_bytes(layout, m["coords"].get("pp", 0))
+        assert abs(predicted - m["activations"]) <= ACTIVATION_TOLERANCE * m["activations"], (
+            m["rank"], predicted, m["activations"])
