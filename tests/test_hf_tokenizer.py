@@ -64,6 +64,16 @@ def test_special_tokens_come_from_the_tokenizer_config(tokenizer_json, tmp_path)
     assert (bare.bos_id, bare.eos_id) == (-1, -1)
     with pytest.raises(ValueError, match="defines no bos token.*tokenizer_config.json with bos_token"):
         pack_documents([["text"]], bare)
+    # Llama-3's tokenizer.json prepends its BOS itself (a post-processor): the pipeline adds it once.
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    raw = RawTokenizer.from_file(tokenizer_json)
+    raw.post_processor = TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 1)])
+    raw.save(str(tmp_path / "tokenizer.json"))
+    shutil.copy(os.path.join(os.path.dirname(tokenizer_json), "tokenizer_config.json"), tmp_path)
+    plain = Tokenizer(tokenizer_json).encode("To be", bos=False, eos=False)
+    assert Tokenizer(str(tmp_path / "tokenizer.json")).encode("To be", bos=True, eos=True) == [1] + plain + [2]
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
     with pytest.raises(ValueError, match="names bos_token '<s>', which is not in the tokenizer's vocabulary"):
         Tokenizer(str(tmp_path / "tokenizer.json"))
