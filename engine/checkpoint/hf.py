@@ -19,8 +19,8 @@ Names map one to one (:func:`weight_rules`), except two layouts:
   Quadra's stacked [E, dim, hidden] / [E, hidden, dim] (``x @ w`` layout): transposed and stacked.
 
 Memory: import reads one tensor at a time from the memory-mapped safetensors files and DCP writes
-each into its own file before the next is made (a 8B model never sits in memory). Export holds
-one output shard (``max_shard_bytes``, 5 GB by default) at a time.
+each into its own file before the next is made (an 8B model never sits in memory). Export holds
+one output shard (``max_shard_bytes``, 5 GB by default) plus one saved tensor at a time.
 """
 
 from __future__ import annotations
@@ -357,17 +357,18 @@ def export_hf_model(checkpoint_dir: str, out_dir: str, dtype: str | None = None,
     weight_map = {}
     for number, shard in enumerate(shards, start=1):
         file_name = "model.safetensors" if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        needed = {rule.quadra for _, rule, _, _ in shard}
-        state = {fqn: torch.empty(entries[f"{MODEL_KEY}.{fqn}"].size, dtype=entries[f"{MODEL_KEY}.{fqn}"].properties.dtype)
-                 for fqn in needed}
-        with quiet_single_process():
-            dcp.load({MODEL_KEY: state}, checkpoint_id=checkpoint_dir, no_dist=True)
-        rules_here = {rule.quadra: rule for _, rule, _, _ in shard}
-        converted = {fqn: rule.to_hf(state[fqn]) for fqn, rule in rules_here.items()}
-        tensors = {key: converted[rule.quadra][i].to(out_type).contiguous() for key, rule, i, _ in shard}
+        tensors = {}
+        for fqn, rule in {rule.quadra: rule for _, rule, _, _ in shard}.items():  # one saved tensor at a time
+            entry = entries[f"{MODEL_KEY}.{fqn}"]
+            state = {fqn: torch.empty(entry.size, dtype=entry.properties.dtype)}
+            with quiet_single_process():
+                dcp.load({MODEL_KEY: state}, checkpoint_id=checkpoint_dir, no_dist=True)
+            converted = rule.to_hf(state.pop(fqn))
+            tensors.update({key: converted[i].to(out_type).contiguous() for key, r, i, _ in shard if r is rule})
+            del converted
         save_file(tensors, os.path.join(tmp, file_name), metadata={"format": "pt"})
         weight_map.update({key: file_name for key in tensors})
-        del state, converted, tensors
+        del tensors
     total = sum(item[3] for item in outputs)
     if len(shards) > 1:
         _write_json(os.path.join(tmp, INDEX), {"metadata": {"total_size": total}, "weight_map": weight_map})
