@@ -279,3 +279,22 @@ def hf_tokenizer(tmp_path_factory) -> str:
     out = str(tmp_path_factory.mktemp("tokenizer"))
     return train_tokenizer_main(["--data_path", SMALL_CORPUS, "--vocab_size", str(VOCAB), "--output", out,
                                  "--format", "hf"])
+
+
+def test_to_hf_of_an_older_checkpoint_reads_the_config_it_was_saved_with(tmp_path):
+    """A checkpoint whose quadra.json predates the model record: to-hf builds the model from the
+    [model] section of the config stored with it (here the debug flavor, tied, with the bundled
+    SentencePiece tokenizer's ids)."""
+    from engine.checkpoint.tools import save_seed_checkpoint
+    from engine.config import load_config
+
+    cfg = load_config(base_args(str(tmp_path / "run"), {"checkpoint.enable": "true", "model.tie_embeddings": "true"}))
+    seed = save_seed_checkpoint(cfg)
+    marker = files.read_marker(seed)
+    del marker["model"]
+    files.write_marker(seed, marker)
+    export_hf_model(seed, str(tmp_path / "out"))
+    config = json.load(open(tmp_path / "out" / "config.json"))
+    assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (256, 6, 4096)
+    assert config["tie_word_embeddings"] and (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+    assert config["intermediate_size"] == 768 and config["max_position_embeddings"] == 2048
