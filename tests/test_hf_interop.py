@@ -226,14 +226,15 @@ def test_command_line(converted, tmp_path, capsys):
 def _train_from_converted(folder: str, dcp_dir: str, tokenizer: str) -> dict:
     from tests.training_utils import train_layouts
 
-    common = {"checkpoint.enable": "true", "checkpoint.initial_load_path": dcp_dir, "model.args_path": dcp_dir,
+    common = {"model.name": files.read_marker(dcp_dir)["model"]["name"], "checkpoint.enable": "true", "checkpoint.initial_load_path": dcp_dir, "model.args_path": dcp_dir,
               "model.tokenizer_path": tokenizer, "training.steps": "3", "checkpoint.interval": "3"}
     return train_layouts(folder, {"fsdp": {**common, "parallelism.dp_shard": "2", "training.local_batch_size": "4"},
                                   "tp": {**common, "parallelism.dp_shard": "1", "parallelism.tp": "2"}})
 
 
 @pytest.mark.slow
-def test_converted_checkpoint_trains_under_fsdp_and_tp_and_exports(converted, hf_tokenizer, tmp_path):
+@pytest.mark.parametrize("name", ["llama_tied_scaled", "mixtral"])
+def test_converted_checkpoint_trains_under_fsdp_and_tp_and_exports(converted, hf_tokenizer, tmp_path, name):
     """Step 1 of both layouts has the loss transformers computes on the same batch (so training starts
     from the converted weights); both layouts agree over 3 steps; the trained checkpoint exports to
     transformers with Quadra's logits."""
@@ -244,7 +245,7 @@ def test_converted_checkpoint_trains_under_fsdp_and_tp_and_exports(converted, hf
     from engine.data.tokenizer import Tokenizer
     from tests.dist_utils import run_distributed
 
-    _, dcp_dir, hf_model = converted["llama_tied_scaled"]
+    _, dcp_dir, hf_model = converted[name]
     results = run_distributed(_train_from_converted, 2, str(tmp_path), dcp_dir, hf_tokenizer, timeout=300)
     cfg = load_config(base_args(str(tmp_path / "x"), {"model.tokenizer_path": hf_tokenizer}))
     t = cfg.training

@@ -40,7 +40,7 @@ from engine.checkpoint import files
 from engine.checkpoint.files import CheckpointError
 from engine.checkpoint.hf_config import args_from_hf_config, generation_config, hf_config_from_args
 from engine.checkpoint.state import MODEL_KEY, quiet_single_process, saved_model_keys
-from engine.checkpoint.tools import DTYPES, _write_model_only
+from engine.checkpoint.tools import DTYPES, write_model_only
 
 __all__ = ["import_hf_model", "export_hf_model", "weight_rules", "TOKENIZER_FILES"]
 
@@ -230,7 +230,7 @@ def import_hf_model(hf_dir: str, checkpoint_dir: str) -> dict:
     placeholders = {fqn: torch.empty(shape, dtype=torch.float32, device="meta") for fqn, shape in expected.items()}
     marker = {"step": 0, "source": os.path.abspath(hf_dir), "model": model_record(name, args),
               "hf_config": config, "tokenizer_files": tokenizer_files}
-    _write_model_only(placeholders, checkpoint_dir, marker, resolve=resolve, before_marker=copy_tokenizer)
+    write_model_only(placeholders, checkpoint_dir, marker, resolve=resolve, before_marker=copy_tokenizer)
     tokenizer = next((n for n in ("tokenizer.json", "tokenizer.model") if n in tokenizer_files), None)
     unique = {fqn: shape for fqn, shape in expected.items() if not (args.tie_embeddings and fqn == "output.weight")}
     return {"name": name, "args": args, "tensors": len(expected), "tokenizer": tokenizer,

@@ -7,7 +7,7 @@
 - :func:`save_seed_checkpoint`: the initial weights of a config written as ``step-0`` of its
   checkpoint folder, so that runs with different parallel layouts start from the same file;
 - Hugging Face safetensors + config.json in both directions: engine/checkpoint/hf.py
-  (``import_hf_model``, ``export_hf_model``), which writes through :func:`_write_model_only`.
+  (``import_hf_model``, ``export_hf_model``), which writes through :func:`write_model_only`.
 
 The scripts ``scripts/convert_checkpoint.py`` and ``scripts/seed_checkpoint.py`` are thin command
 lines over these functions.
@@ -33,7 +33,7 @@ logger = logging.getLogger("quadra")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _write_model_only(weights: dict[str, torch.Tensor], folder: str, marker: dict, *, resolve=None,
+def write_model_only(weights: dict[str, torch.Tensor], folder: str, marker: dict, *, resolve=None,
                       before_marker=None) -> str:
     """Write ``{"model": weights}`` with DCP into ``folder`` (via ``folder.tmp``) with its marker.
 
@@ -43,6 +43,12 @@ def _write_model_only(weights: dict[str, torch.Tensor], folder: str, marker: dic
             of its own, so memory holds one tensor at a time (torch's ``SavePlanner.resolve_data``
             is the documented place for such lazy materialization).
         before_marker: None, or ``tmp_folder -> None`` adding files before the marker is written.
+
+    Returns:
+        ``folder``.
+
+    Raises:
+        CheckpointError: ``folder`` exists (never overwritten).
     """
     if os.path.exists(folder):
         raise CheckpointError(f"{folder!r} already exists; choose a new output folder or remove it")
@@ -125,7 +131,7 @@ def import_model_weights(weights_path: str, checkpoint_dir: str) -> str:
     if not isinstance(weights, dict) or not weights or not all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()):
         raise CheckpointError(f"{weights_path!r} does not hold a dict {{name: tensor}} of model weights")
-    return _write_model_only(weights, checkpoint_dir, {"step": 0, "source": os.path.abspath(weights_path)})
+    return write_model_only(weights, checkpoint_dir, {"step": 0, "source": os.path.abspath(weights_path)})
 
 
 def save_seed_checkpoint(cfg) -> str:
@@ -159,4 +165,4 @@ def save_seed_checkpoint(cfg) -> str:
     model = materialize(build_meta_model(spec, args), torch.device("cpu"), cfg.training.seed)
     marker = {"step": 0, "seed": cfg.training.seed, "config": config_to_toml(cfg),
               "model": model_record(cfg.model.name, base_model_args(cfg.model)[1])}
-    return _write_model_only(get_model_state_dict(model), files.step_dir(folder, 0), marker)
+    return write_model_only(get_model_state_dict(model), files.step_dir(folder, 0), marker)
