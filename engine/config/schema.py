@@ -56,7 +56,8 @@ class ModelSection:
                                "SentencePiece .model file, or a Hugging Face tokenizer.json (BOS/EOS from the "
                                "tokenizer_config.json beside it)")
     vocab_size: int = _opt(-1, "-1: the flavor's vocab size; set it to train with a larger tokenizer")
-    tie_embeddings: bool = _opt(False, "share tok_embeddings and output weights")
+    tie_embeddings: bool = _opt(False, "share tok_embeddings and output weights (a model.args_path record decides "
+                                       "for itself; true with an untied one is refused)")
 
 
 @dataclass
