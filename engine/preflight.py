@@ -96,7 +96,7 @@ def _check_initial_load(cfg, args, label: str) -> None:
     ranks compare weight shapes when loading). Skipped when the run resumes its own checkpoint."""
     import os
 
-    from engine.checkpoint.files import read_marker, scan
+    from engine.checkpoint.files import CheckpointError, read_marker, scan
     from models.registry import args_from_record, first_args_difference
 
     path = cfg.checkpoint.initial_load_path
@@ -107,12 +107,12 @@ def _check_initial_load(cfg, args, label: str) -> None:
         return
     where = f"checkpoint.initial_load_path = {path!r}"
     if record.get("name") != cfg.model.name:
-        raise ValueError(f"{where} holds a {record.get('name')!r} model but model.name = {cfg.model.name!r}. "
+        raise CheckpointError(f"{where} holds a {record.get('name')!r} model but model.name = {cfg.model.name!r}. "
                          f"Fix: --model.name {record.get('name')} --model.args_path {path}")
     _, saved = args_from_record(record, where)
     difference = first_args_difference(saved, args)
     if difference is not None:
-        raise ValueError(f"{where} holds another model than {label} ({difference}). Fix: build the checkpoint's "
+        raise CheckpointError(f"{where} holds another model than {label} ({difference}). Fix: build the checkpoint's "
                          f"model with --model.args_path {path} (or choose the matching model.flavor)")
 
 
