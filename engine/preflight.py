@@ -25,6 +25,8 @@ class SetupPlan:
         parallel_dims: validated degrees (``dp_shard = -1`` resolved), no mesh built.
         model_spec, model_args: the registry entry and the flavor's arguments as trained (vocabulary
             and ``max_seq_len = training.seq_len`` applied).
+        model_record: the architecture before ``seq_len`` (``models.registry.model_record``), which
+            checkpoints store; model_label: its source for messages ("llama/8B").
         tokenizer_vocab_size: pieces in ``model.tokenizer_path``.
         global_batch_size, grad_accum_steps: sequences per optimizer step and microbatches per rank.
     """
@@ -35,6 +37,8 @@ class SetupPlan:
     tokenizer_vocab_size: int
     global_batch_size: int
     grad_accum_steps: int
+    model_record: dict
+    model_label: str
 
 
 def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = True) -> SetupPlan:
@@ -59,7 +63,7 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
     import models  # noqa: F401  (registers the built-in models; torch-free)
     from engine.data.batch_sizes import resolve_batch_sizes
     from engine.data.tokenizer import Tokenizer
-    from models.registry import resolve_model_args
+    from models.registry import base_model_args, model_record, resolve_model_args
     from parallelisms.checks import validate_context_parallel
     from parallelisms.parallel_dims import ParallelDims
     from parallelisms.pipeline_plan import plan_model_pipeline
@@ -77,10 +81,39 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
                                   compile_enabled=cfg.compile.enable)
     if parallel_dims.pp_enabled:
         plan_model_pipeline(p, args, local_batch_size=t.local_batch_size, pp_rank=0)
+    _, base_args, label = base_model_args(cfg.model)
+    _check_initial_load(cfg, base_args, label)
     if check_data:
         _check_local_data(cfg)
         _check_checkpoint_folder(cfg)
-    return SetupPlan(parallel_dims, spec, args, vocab, global_batch, accum)
+    return SetupPlan(parallel_dims, spec, args, vocab, global_batch, accum,
+                     model_record(cfg.model.name, base_args), label)
+
+
+def _check_initial_load(cfg, args, label: str) -> None:
+    """Refuse a ``checkpoint.initial_load_path`` that holds another architecture than ``[model]``
+    builds, when its quadra.json says which (converted and newer checkpoints do; for others the
+    ranks compare weight shapes when loading). Skipped when the run resumes its own checkpoint."""
+    import os
+
+    from engine.checkpoint.files import CheckpointError, read_marker, scan
+    from models.registry import args_from_record, first_args_difference
+
+    path = cfg.checkpoint.initial_load_path
+    if not path or not cfg.checkpoint.enable or scan(os.path.join(cfg.run_folder, cfg.checkpoint.folder)).complete:
+        return
+    record = (read_marker(path) or {}).get("model")
+    if record is None:
+        return
+    where = f"checkpoint.initial_load_path = {path!r}"
+    if record.get("name") != cfg.model.name:
+        raise CheckpointError(f"{where} holds a {record.get('name')!r} model but model.name = {cfg.model.name!r}. "
+                         f"Fix: --model.name {record.get('name')} --model.args_path {path}")
+    _, saved = args_from_record(record, where)
+    difference = first_args_difference(saved, args)
+    if difference is not None:
+        raise CheckpointError(f"{where} holds another model than {label} ({difference}). Fix: build the checkpoint's "
+                         f"model with --model.args_path {path} (or choose the matching model.flavor)")
 
 
 def _check_local_data(cfg) -> None:

@@ -75,6 +75,7 @@ class Trainer:
         setup = check_setup(cfg, self.dist.world_size, self.device.type, check_data=False)
         self.parallel_dims, self.model_spec, self.model_args = setup.parallel_dims, setup.model_spec, setup.model_args
         self.global_batch_size = setup.global_batch_size
+        self.model_record, self.model_label = setup.model_record, setup.model_label
         if self.dist.is_distributed:
             self.parallel_dims.build_mesh(self.device.type)
         self._group_dims = group_names_by_mesh_dim(self.parallel_dims)  # for time attribution
@@ -164,7 +165,7 @@ class Trainer:
             self.cfg.checkpoint, run_folder=self.run_folder, model_parts=self.model_parts,
             optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
             trainer=self, dist_info=self.dist, parallel_dims=self.parallel_dims,
-            config_toml=config_to_toml(self.cfg),
+            config_toml=config_to_toml(self.cfg), model_record=self.model_record,
         )
 
     def _write_run_config(self) -> None:
@@ -174,8 +175,8 @@ class Trainer:
             f.write(config_to_toml(self.cfg))
         if self.cfg.job.print_config:
             logger.info("config:\n%s", config_to_toml(self.cfg))
-        logger.info("model %s/%s: %s parameters, %.3g training FLOPs per token; world_size %d %s",
-                    self.cfg.model.name, self.cfg.model.flavor, f"{self.nparams:,}", self.flops_per_token,
+        logger.info("model %s: %s parameters, %.3g training FLOPs per token; world_size %d %s",
+                    self.model_label, f"{self.nparams:,}", self.flops_per_token,
                     self.dist.world_size, self.parallel_dims)
 
     def _build_metrics(self) -> MetricsLogger:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
+import json
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
@@ -27,7 +29,14 @@ __all__ = [
     "list_model_names",
     "load_ref",
     "resolve_model_args",
+    "base_model_args",
+    "model_record",
+    "args_from_record",
+    "load_model_record",
+    "first_args_difference",
 ]
+
+RECORD_FILE = "quadra.json"  # a checkpoint folder's marker; its "model" entry is the model record
 
 
 @runtime_checkable
@@ -135,37 +144,136 @@ def load_ref(ref: Any) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
+def model_record(name: str, args) -> dict:
+    """The architecture of a model as JSON: ``{"name": model.name, "args": {field: value}}``.
+
+    Written into every checkpoint's quadra.json (key "model") and by the Hugging Face converter, so a
+    checkpoint says which model it holds; :func:`args_from_record` reads it back.
+    """
+    return {"name": name, "args": dataclasses.asdict(args)}
+
+
+def args_from_record(record: dict, where: str) -> tuple[ModelSpec, Any]:
+    """(spec, args dataclass) of a :func:`model_record`; ``where`` names its source in errors.
+
+    Raises:
+        ValueError: not a record, an unknown model name or argument, or arguments that fail
+            ``validate()``.
+    """
+    if not isinstance(record, dict) or not isinstance(record.get("args"), dict) or "name" not in record:
+        raise ValueError(f"{where} holds no model record ({{\"name\": ..., \"args\": {{...}}}}); point it at a "
+                         "folder written by scripts/convert_checkpoint.py from-hf or a checkpoint step folder")
+    spec = get_model_spec(record["name"])
+    cls = type(next(iter(spec.flavors.values())))
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(record["args"]) - known)
+    if unknown:
+        raise ValueError(f"{where}: model {record['name']!r} has no argument {unknown[0]!r} "
+                         f"(known: {', '.join(sorted(known))})")
+    args = cls(**record["args"])
+    try:
+        args.validate()
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+    return spec, args
+
+
+def load_model_record(path: str) -> dict:
+    """The model record at ``path``: a checkpoint folder (its quadra.json's "model" entry) or a
+    JSON file holding a record (or a quadra.json).
+
+    Raises:
+        ValueError: the path does not exist, is unreadable, or holds no record.
+    """
+    where = f"model.args_path = {path!r}"
+    file = os.path.join(path, RECORD_FILE) if os.path.isdir(path) else path
+    try:
+        with open(file, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{where}: cannot read {file!r} ({type(error).__name__}: {error}); point it at a "
+                         "folder written by scripts/convert_checkpoint.py from-hf or its quadra.json") from None
+    record = data.get("model", data) if isinstance(data, dict) else data
+    args_from_record(record, where)  # validates
+    return record
+
+
+def first_args_difference(a, b, ignore: tuple[str, ...] = ("max_seq_len", "depth_init")) -> str | None:
+    """``"field=value_a vs value_b"`` for the first architecture field where two args differ, or None.
+
+    ``max_seq_len`` (set to training.seq_len per run) and ``depth_init`` (initialization only) are
+    ignored: they change no weight's shape or value.
+    """
+    fields_a = dataclasses.asdict(a)
+    fields_b = dataclasses.asdict(b)
+    for name in sorted(set(fields_a) | set(fields_b)):
+        if name not in ignore and fields_a.get(name) != fields_b.get(name):
+            return f"{name}={fields_a.get(name)!r} vs {fields_b.get(name)!r}"
+    return None
+
+
+def base_model_args(model_cfg) -> tuple[ModelSpec, Any, str]:
+    """The architecture ``[model]`` asks for, before the run's ``seq_len`` is applied.
+
+    From ``model.args_path`` (a model record, e.g. a checkpoint converted from Hugging Face) when
+    set, else from ``model.flavor``; then ``model.vocab_size`` (when not -1) and
+    ``model.tie_embeddings`` (a record's own tying stays; ``true`` with an untied record is refused).
+
+    Returns:
+        (spec, args, label): label names the source in messages, e.g. "llama/debugmodel".
+
+    Raises:
+        ValueError: unknown name/flavor, an unreadable record, a record of another model.
+    """
+    spec: ModelSpec = get_model_spec(model_cfg.name)
+    args_path = getattr(model_cfg, "args_path", "")
+    changes = {}
+    if args_path:
+        record = load_model_record(args_path)
+        if record["name"] != model_cfg.name:
+            raise ValueError(f"model.args_path = {args_path!r} describes a {record['name']!r} model but "
+                             f"model.name = {model_cfg.name!r}. Set model.name = {record['name']!r}.")
+        _, args = args_from_record(record, f"model.args_path = {args_path!r}")
+        label = f"{model_cfg.name} from {args_path}"
+        if model_cfg.tie_embeddings and not args.tie_embeddings:
+            raise ValueError(f"model.tie_embeddings = true but model.args_path = {args_path!r} has untied "
+                             "embeddings (separate output weights). Set model.tie_embeddings = false.")
+    else:
+        args = get_model_args(model_cfg.name, model_cfg.flavor)
+        label = f"{model_cfg.name}/{model_cfg.flavor}"
+        changes["tie_embeddings"] = model_cfg.tie_embeddings
+    if model_cfg.vocab_size != -1:
+        if model_cfg.vocab_size < 1:
+            raise ValueError(f"model.vocab_size = {model_cfg.vocab_size}: use -1 (the flavor's) or a positive size.")
+        changes["vocab_size"] = model_cfg.vocab_size
+    return spec, dataclasses.replace(args, **changes), label
+
+
 def resolve_model_args(model_cfg, *, seq_len: int, tokenizer_vocab_size: int):
     """The model spec and its arguments for ``[model]``, checked against the tokenizer and seq_len.
 
-    ``model.vocab_size = -1`` keeps the flavor's vocabulary; a positive value replaces it (to train
-    a flavor with another tokenizer). The model's RoPE table is sized to ``seq_len``.
+    The architecture comes from :func:`base_model_args` (flavor or ``model.args_path``);
+    ``model.vocab_size = -1`` keeps its vocabulary, a positive value replaces it (to train with
+    another tokenizer). The model's RoPE table is sized to ``seq_len``.
 
     Returns:
         (ModelSpec, model args dataclass).
 
     Raises:
-        ValueError: unknown name/flavor, a tokenizer vocabulary larger than the model's embedding
-            table, or ``seq_len`` above the flavor's ``max_seq_len``.
+        ValueError: unknown name/flavor, a bad ``model.args_path``, a tokenizer vocabulary larger
+            than the model's embedding table, or ``seq_len`` above the model's ``max_seq_len``.
     """
-    spec: ModelSpec = get_model_spec(model_cfg.name)
-    args = get_model_args(model_cfg.name, model_cfg.flavor)
-    changes = {"tie_embeddings": model_cfg.tie_embeddings}
-    if model_cfg.vocab_size != -1:
-        if model_cfg.vocab_size < 1:
-            raise ValueError(f"model.vocab_size = {model_cfg.vocab_size}: use -1 (the flavor's) or a positive size.")
-        changes["vocab_size"] = model_cfg.vocab_size
-    args = dataclasses.replace(args, **changes)
+    spec, args, label = base_model_args(model_cfg)
     if tokenizer_vocab_size > args.vocab_size:
         raise ValueError(
             f"the tokenizer at model.tokenizer_path = {model_cfg.tokenizer_path!r} has "
-            f"{tokenizer_vocab_size} tokens but model {model_cfg.name}/{model_cfg.flavor} has vocab_size "
+            f"{tokenizer_vocab_size} tokens but model {label} has vocab_size "
             f"{args.vocab_size}. Set model.vocab_size >= {tokenizer_vocab_size} or use a smaller tokenizer."
         )
     if seq_len > args.max_seq_len:
         raise ValueError(
             f"training.seq_len = {seq_len} exceeds the maximum sequence length {args.max_seq_len} of "
-            f"model {model_cfg.name}/{model_cfg.flavor}. Lower training.seq_len."
+            f"model {label}. Lower training.seq_len."
         )
     args = dataclasses.replace(args, max_seq_len=seq_len)
     args.validate()

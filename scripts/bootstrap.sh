@@ -13,7 +13,7 @@ _quadra_has_deps() {
 import sys
 from importlib.util import find_spec
 assert sys.version_info >= (3, 10)
-needed = ["torch", "sentencepiece", "datasets", "tensorboard", "pytest"]
+needed = ["torch", "sentencepiece", "tokenizers", "safetensors", "datasets", "tensorboard", "pytest", "transformers"]
 if sys.version_info < (3, 11):
     needed.append("tomli")
 missing = [name for name in needed if find_spec(name) is None]

@@ -1,4 +1,4 @@
-"""Convert between a DCP checkpoint folder and one consolidated torch.save file of model weights.
+"""Convert between a DCP checkpoint folder and a torch.save file or a Hugging Face model folder.
 
     # DCP step folder (saved under any layout) -> {name: full tensor} in one file
     python scripts/convert_checkpoint.py to-torch outputs/debug_model/checkpoint/step-100 model.pt [--dtype bfloat16]
@@ -7,8 +7,16 @@
     python scripts/convert_checkpoint.py from-torch model.pt weights_dcp
     ./run_train.sh --checkpoint.initial_load_path weights_dcp
 
+    # Hugging Face folder (config.json + *.safetensors; Llama-2/3/3.1/3.2, Mixtral) -> DCP + model arguments
+    python scripts/convert_checkpoint.py from-hf path/to/Llama-3.2-1B outputs/llama32/seed
+    ./run_train.sh --checkpoint.initial_load_path outputs/llama32/seed --model.args_path outputs/llama32/seed \
+        --model.tokenizer_path outputs/llama32/seed/tokenizer.json
+
+    # DCP step folder -> model.safetensors (+ index above --max-shard-size), config.json, generation_config.json
+    python scripts/convert_checkpoint.py to-hf outputs/llama32/checkpoint/step-1000 hf_out [--dtype bfloat16]
+
 Runs in one process without a process group (no torchrun). Exit status 2 with a one-line message on
-bad input. The work is done by engine/checkpoint/tools.py.
+bad input. The work is done by engine/checkpoint/tools.py and engine/checkpoint/hf.py.
 """
 
 from __future__ import annotations
@@ -34,8 +42,20 @@ def main(argv: list[str] | None = None) -> int:
     from_torch = sub.add_parser("from-torch", help="torch.save file of model weights -> DCP checkpoint folder")
     from_torch.add_argument("input", help="a .pt file holding {name: tensor}")
     from_torch.add_argument("checkpoint_dir", help="the folder to create (must not exist)")
+    from_hf = sub.add_parser("from-hf", help="Hugging Face model folder -> model-only DCP checkpoint folder")
+    from_hf.add_argument("hf_dir", help="a folder with config.json and model*.safetensors (Llama family, Mixtral)")
+    from_hf.add_argument("checkpoint_dir", help="the folder to create (must not exist)")
+    to_hf = sub.add_parser("to-hf", help="DCP checkpoint folder -> Hugging Face model folder (safetensors)")
+    to_hf.add_argument("checkpoint_dir", help="a checkpoint folder, e.g. outputs/run/checkpoint/step-100")
+    to_hf.add_argument("hf_dir", help="the folder to create (must not exist)")
+    to_hf.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                       help="dtype of the written weights (default: keep the saved float32)")
+    to_hf.add_argument("--max-shard-size", default="5GB",
+                       help="split the weights into shards of at most this size, e.g. 5GB, 500MB (default 5GB)")
     args = parser.parse_args(argv)
     try:
+        if args.command in ("from-hf", "to-hf"):
+            return _hugging_face(args)
         if args.command == "to-torch":
             count = export_model_weights(args.checkpoint_dir, args.output, args.dtype)
             print(f"wrote {count} tensors to {args.output}")
@@ -46,6 +66,28 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _hugging_face(args: argparse.Namespace) -> int:
+    from engine.checkpoint.hf import export_hf_model, import_hf_model, parse_size
+
+    if args.command == "from-hf":
+        out = import_hf_model(args.hf_dir, args.checkpoint_dir)
+        folder = args.checkpoint_dir
+        print(f"wrote model-only checkpoint {folder}: {out['name']} model, {out['parameters']:,} parameters in "
+              f"{out['tensors']} float32 tensors; model arguments in {folder}/quadra.json")
+        command = f"./run_train.sh --checkpoint.initial_load_path {folder} --model.args_path {folder}"
+        if out["name"] != "llama":
+            command += f" --model.name {out['name']}"
+        if out["tokenizer"]:
+            command += f" --model.tokenizer_path {folder}/{out['tokenizer']}"
+        print(f"continue pretraining from it (any layout):\n  {command}")
+    else:
+        out = export_hf_model(args.checkpoint_dir, args.hf_dir, args.dtype, parse_size(args.max_shard_size))
+        print(f"wrote {args.hf_dir}: {out['name']} model, {out['tensors']} tensors ({out['bytes']:,} bytes) in "
+              f"{out['shards']} safetensors file(s), config.json, generation_config.json"
+              + (f", tokenizer from {out['tokenizer']}" if out["tokenizer"] else " (no tokenizer.json to copy)"))
     return 0
 
 

@@ -1,9 +1,15 @@
-"""Train a lossless BPE SentencePiece tokenizer on any dataset the data loader reads.
+"""Train a lossless BPE tokenizer (SentencePiece, or a Hugging Face tokenizer.json) on any dataset the data loader reads.
 
 Example (this made the bundled assets/tokenizer/shakespeare.model):
 
     python scripts/train_tokenizer.py --data_path assets/data/shakespeare/train.jsonl \
         --vocab_size 4096 --output assets/tokenizer/shakespeare
+
+With ``--format hf`` it writes OUTPUT/tokenizer.json and OUTPUT/tokenizer_config.json instead (a
+byte-level BPE of the `tokenizers` library, GPT-2 / Llama-3 style: lossless by construction,
+digits split into single pieces; <pad>=0, bos=1 <|begin_of_text|>, eos=2 <|end_of_text|>), which
+`model.tokenizer_path = "OUTPUT/tokenizer.json"` and transformers' AutoTokenizer both read. It
+trains on the first --input_sentence_size chunks (no sampling).
 
 Every string round-trips exactly (decode(encode(s)) == s, newlines, tabs, repeated spaces and any
 Unicode included): no normalization (rule "identity"), no whitespace folding, no dummy prefix,
@@ -64,7 +70,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--streaming", action="store_true", help="stream the dataset (large hub datasets)")
     p.add_argument("--max_documents", type=int, default=-1, help="read at most N documents (-1: all)")
     p.add_argument("--vocab_size", type=int, default=4096, help="number of pieces incl. specials and 256 bytes")
-    p.add_argument("--output", required=True, help="output prefix: writes PREFIX.model and PREFIX.vocab")
+    p.add_argument("--output", required=True, help="output prefix: writes PREFIX.model and PREFIX.vocab "
+                                                   "(--format hf: a folder, gets tokenizer.json + tokenizer_config.json)")
+    p.add_argument("--format", choices=("sentencepiece", "hf"), default="sentencepiece",
+                   help="sentencepiece (.model) or hf (a Hugging Face tokenizer.json)")
     p.add_argument("--input_sentence_size", type=int, default=200_000,
                    help="sample at most this many training sentences (line chunks)")
     p.add_argument("--max_sentence_chars", type=int, default=2000, help="characters per training sentence")
@@ -93,8 +102,12 @@ def main(argv: list[str] | None = None) -> str:
 
     out_dir = os.path.dirname(os.path.abspath(args.output))
     os.makedirs(out_dir, exist_ok=True)
-    spm.set_random_generator_seed(args.seed)  # reproducible sentence sampling
     start = time.perf_counter()
+    if args.format == "hf":
+        path = _train_hf(args, iter_training_sentences(texts(), args.max_sentence_chars))
+        print(f"wrote {path} (vocab {args.vocab_size}, {time.perf_counter() - start:.1f} s)")
+        return path
+    spm.set_random_generator_seed(args.seed)  # reproducible sentence sampling
     try:
         _train(args, iter_training_sentences(texts(), args.max_sentence_chars))
     except RuntimeError as err:
@@ -104,6 +117,32 @@ def main(argv: list[str] | None = None) -> str:
         raise
     path = args.output + ".model"
     print(f"wrote {path} (vocab {args.vocab_size}, {time.perf_counter() - start:.1f} s)")
+    return path
+
+
+HF_SPECIALS = {"pad_token": "<pad>", "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
+
+
+def _train_hf(args: argparse.Namespace, sentences: Iterator[str]) -> str:
+    """Byte-level BPE with the `tokenizers` library -> OUTPUT/tokenizer.json (+ tokenizer_config.json)."""
+    import itertools
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=args.vocab_size, special_tokens=list(HF_SPECIALS.values()),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(itertools.islice(sentences, args.input_sentence_size), trainer=trainer)
+    os.makedirs(args.output, exist_ok=True)
+    path = os.path.join(args.output, "tokenizer.json")
+    tokenizer.save(path)
+    with open(os.path.join(args.output, "tokenizer_config.json"), "w", encoding="utf-8") as fh:
+        json.dump({**HF_SPECIALS, "tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False,
+                   "clean_up_tokenization_spaces": False}, fh, indent=2)
     return path
 
 

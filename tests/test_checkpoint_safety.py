@@ -55,10 +55,11 @@ def test_bad_checkpoint_settings_fail_before_training(seeded_run, tmp_path):
         "other model": ({"model.vocab_size": 4200},
                         ["does not fit this model", f"model weight 'output.weight' has shape [4096, {dim}] in "
                          f"the checkpoint but [4200, {dim}] in this model"]),
+        # The seed's quadra.json records its model: the pre-flight compares before anything is built.
         "fresh run from an incompatible folder": (
             {"job.dump_folder": str(tmp_path / "fresh"), "model.vocab_size": 4200,
              "checkpoint.initial_load_path": os.path.join(seeded_run, "checkpoint", "step-0")},
-            ["does not fit this model", "'output.weight'"]),
+            [f"holds another model than llama/{FLAVOR} (vocab_size=4096 vs 4200)", "--model.args_path"]),
         "initial_load_path": ({"job.dump_folder": str(tmp_path / "fresh2"),
                                "checkpoint.initial_load_path": str(not_dcp)},
                               ["checkpoint.initial_load_path", "is not a DCP checkpoint folder"]),

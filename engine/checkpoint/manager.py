@@ -64,19 +64,22 @@ class CheckpointManager:
         dist_info: the rank's ``engine.distributed.DistInfo``.
         parallel_dims: the degrees (recorded in the marker; the pp group checks model keys).
         config_toml: the run's config as TOML, stored with every checkpoint.
+        model_record: the model's architecture (``models.registry.model_record``), stored with every
+            checkpoint as quadra.json's "model" so tools and later runs know what it holds.
 
     Raises:
         CheckpointError (a ValueError), on every rank: the checkpoint folder cannot be written.
     """
 
     def __init__(self, cfg, *, run_folder: str, model_parts, optimizer, lr_scheduler, dataloader,
-                 trainer, dist_info, parallel_dims, config_toml: str):
+                 trainer, dist_info, parallel_dims, config_toml: str, model_record: dict | None = None):
         self.cfg = cfg
         self.enabled = bool(cfg.enable)
         self.folder = os.path.join(run_folder, cfg.folder)
         self.state = ModelAndOptimizer(model_parts, optimizer)
         self.lr_scheduler, self.dataloader, self.trainer = lr_scheduler, dataloader, trainer
         self.dist, self.parallel_dims, self.config_toml = dist_info, parallel_dims, config_toml
+        self.model_record = model_record
         self.device = dist_info.device
         self.last_saved_step = -1
         self._pending: _PendingSave | None = None
@@ -313,6 +316,8 @@ class CheckpointManager:
         marker = {"step": step, "tokens_seen": self.trainer.tokens_seen, "model_only": False,
                   "world_size": self.dist.world_size, "torch": torch.__version__, "config": self.config_toml,
                   "degrees": {k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")}}
+        if self.model_record is not None:
+            marker["model"] = self.model_record
         tmp, started = files.tmp_dir(self.folder, step), time.perf_counter()
         no_dist = not self.dist.is_distributed
         if self.cfg.async_mode == "async":

@@ -5,7 +5,9 @@
 - :func:`import_model_weights`: such a file -> a model-only DCP checkpoint folder, which a run can
   start from (``checkpoint.initial_load_path``) under any layout;
 - :func:`save_seed_checkpoint`: the initial weights of a config written as ``step-0`` of its
-  checkpoint folder, so that runs with different parallel layouts start from the same file.
+  checkpoint folder, so that runs with different parallel layouts start from the same file;
+- Hugging Face safetensors + config.json in both directions: engine/checkpoint/hf.py
+  (``import_hf_model``, ``export_hf_model``), which writes through :func:`write_model_only`.
 
 The scripts ``scripts/convert_checkpoint.py`` and ``scripts/seed_checkpoint.py`` are thin command
 lines over these functions.
@@ -15,9 +17,11 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from engine.checkpoint import files
@@ -29,16 +33,53 @@ logger = logging.getLogger("quadra")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _write_model_only(weights: dict[str, torch.Tensor], folder: str, marker: dict) -> str:
-    """Write ``{"model": weights}`` with DCP into ``folder`` (via ``folder.tmp``) with its marker."""
+def write_model_only(weights: dict[str, torch.Tensor], folder: str, marker: dict, *, resolve=None,
+                      before_marker=None) -> str:
+    """Write ``{"model": weights}`` with DCP into ``folder`` (via ``folder.tmp``) with its marker.
+
+    Args:
+        resolve: None, or ``fqn -> tensor``: then ``weights`` only give shapes and dtypes (e.g. meta
+            tensors) and each tensor is made by ``resolve`` just before DCP writes it, into a file
+            of its own, so memory holds one tensor at a time (torch's ``SavePlanner.resolve_data``
+            is the documented place for such lazy materialization).
+        before_marker: None, or ``tmp_folder -> None`` adding files before the marker is written.
+
+    Returns:
+        ``folder``.
+
+    Raises:
+        CheckpointError: ``folder`` exists (never overwritten).
+    """
     if os.path.exists(folder):
         raise CheckpointError(f"{folder!r} already exists; choose a new output folder or remove it")
     tmp = folder.rstrip("/") + files.TMP_SUFFIX
+    if os.path.exists(tmp):  # left by a conversion that did not finish
+        shutil.rmtree(tmp)
     with quiet_single_process():
-        dcp.save({MODEL_KEY: weights}, checkpoint_id=tmp, no_dist=True)
+        if resolve is None:
+            dcp.save({MODEL_KEY: weights}, checkpoint_id=tmp, no_dist=True)
+        else:
+            writer = dcp.FileSystemWriter(tmp, single_file_per_rank=False)
+            dcp.save({MODEL_KEY: weights}, storage_writer=writer, planner=_LazySavePlanner(resolve), no_dist=True)
+    if before_marker is not None:
+        before_marker(tmp)
     files.write_marker(tmp, {"model_only": True, **marker})
     files.finish(tmp, folder)
     return folder
+
+
+class _LazySavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, except that each model tensor is made on demand by ``resolve``."""
+
+    def __init__(self, resolve):
+        super().__init__()
+        self._resolve = resolve
+
+    def lookup_object(self, index):
+        prefix = MODEL_KEY + "."
+        if index.fqn.startswith(prefix):
+            return self._resolve(index.fqn[len(prefix):])
+        return super().lookup_object(index)
 
 
 def export_model_weights(checkpoint_dir: str, out_path: str, dtype: str | None = None) -> int:
@@ -90,7 +131,7 @@ def import_model_weights(weights_path: str, checkpoint_dir: str) -> str:
     if not isinstance(weights, dict) or not weights or not all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()):
         raise CheckpointError(f"{weights_path!r} does not hold a dict {{name: tensor}} of model weights")
-    return _write_model_only(weights, checkpoint_dir, {"step": 0, "source": os.path.abspath(weights_path)})
+    return write_model_only(weights, checkpoint_dir, {"step": 0, "source": os.path.abspath(weights_path)})
 
 
 def save_seed_checkpoint(cfg) -> str:
@@ -109,6 +150,7 @@ def save_seed_checkpoint(cfg) -> str:
     """
     from engine.config import config_to_toml
     from engine.model_builder import build_meta_model, materialize, resolve_model_args
+    from models.registry import base_model_args, model_record
     from engine.data.tokenizer import Tokenizer
 
     folder = os.path.join(cfg.run_folder, cfg.checkpoint.folder)
@@ -121,5 +163,6 @@ def save_seed_checkpoint(cfg) -> str:
     spec, args = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len,
                                     tokenizer_vocab_size=tokenizer.vocab_size)
     model = materialize(build_meta_model(spec, args), torch.device("cpu"), cfg.training.seed)
-    marker = {"step": 0, "seed": cfg.training.seed, "config": config_to_toml(cfg)}
-    return _write_model_only(get_model_state_dict(model), files.step_dir(folder, 0), marker)
+    marker = {"step": 0, "seed": cfg.training.seed, "config": config_to_toml(cfg),
+              "model": model_record(cfg.model.name, base_model_args(cfg.model)[1])}
+    return write_model_only(get_model_state_dict(model), files.step_dir(folder, 0), marker)

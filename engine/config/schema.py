@@ -55,9 +55,14 @@ class ModelSection:
 
     name: str = _opt("llama", "registered model name (see models/)")
     flavor: str = _opt("debugmodel", "model size preset within the model's flavors, e.g. debugmodel, 8B")
-    tokenizer_path: str = _opt("assets/tokenizer/shakespeare.model", "sentencepiece tokenizer model file")
+    args_path: str = _opt("", "model arguments instead of the flavor: a folder written by convert_checkpoint.py "
+                              "from-hf (or a checkpoint step folder), or its quadra.json")
+    tokenizer_path: str = _opt("assets/tokenizer/shakespeare.model",
+                               "SentencePiece .model file, or a Hugging Face tokenizer.json (BOS/EOS from the "
+                               "tokenizer_config.json beside it)")
     vocab_size: int = _opt(-1, "-1: the flavor's vocab size; set it to train with a larger tokenizer")
-    tie_embeddings: bool = _opt(False, "share tok_embeddings and output weights")
+    tie_embeddings: bool = _opt(False, "share tok_embeddings and output weights (a model.args_path record decides "
+                                       "for itself; true with an untied one is refused)")
 
 
 @dataclass

@@ -1,6 +1,8 @@
 """Packing documents into fixed-length training windows, addressed by global window position.
 
-Documents become [BOS] + tokens + [EOS] and are concatenated into one token stream. Window w is
+Documents become [BOS] + tokens + [EOS] and are concatenated into one token stream; a tokenizer
+whose BOS is its EOS (one separator, like GPT-2's <|endoftext|>) gives [BOS] + tokens, so every
+document boundary holds one separator either way. Window w is
 stream[w*S : w*S + S + 1] (S = seq_len): consecutive windows overlap by one token so that every
 token but the very first is a label once; n = (len(stream) - 1) // S windows per epoch (the ragged
 tail is dropped). The data is an infinite sequence of global positions p = 0, 1, 2, ...;
@@ -26,14 +28,16 @@ from engine.data.tokenizer import Tokenizer
 
 
 def pack_documents(text_batches: Iterable[list[str]], tokenizer: Tokenizer) -> torch.Tensor:
-    """One int32 token stream: [BOS] + tokens + [EOS] per document, in document order.
+    """One int32 token stream: [BOS] + tokens + [EOS] per document ([BOS] + tokens when BOS is EOS),
+    in document order.
 
     Returns:
         int32 tensor [total tokens] (4 bytes per token).
     """
     parts = []
+    eos = tokenizer.eos_id != tokenizer.bos_id
     for texts in text_batches:
-        ids = tokenizer.encode_batch(texts, bos=True, eos=True)
+        ids = tokenizer.encode_batch(texts, bos=True, eos=eos)
         parts.append(torch.tensor(list(itertools.chain.from_iterable(ids)), dtype=torch.int32))
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int32)
 

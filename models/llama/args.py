@@ -39,8 +39,18 @@ class LlamaModelArgs:
         ffn_dim_multiplier: optional factor on the SwiGLU hidden width (None = 1).
         norm_eps: RMSNorm epsilon.
         rope_theta: RoPE base frequency (Su et al. 2021); LLaMA-3 uses 500000.
+        rope_scaling: "none", or "llama3": Llama 3.1's long-context frequency scaling (Grattafiori
+            et al. 2024; Meta's reference `apply_scaling`): wavelengths above
+            rope_original_max_seq_len / rope_low_freq_factor are divided by rope_scaling_factor,
+            those below rope_original_max_seq_len / rope_high_freq_factor kept, those between
+            interpolated smoothly (see `models.llama.model.rope_frequencies`).
+        rope_scaling_factor, rope_low_freq_factor, rope_high_freq_factor: its factors (Llama 3.1:
+            8, 1, 4; Llama 3.2: 32, 1, 4).
+        rope_original_max_seq_len: the context length (tokens) of pre-training before scaling (8192).
         max_seq_len: longest sequence (tokens) the RoPE tables cover.
         tie_embeddings: share one [vocab, dim] matrix between tok_embeddings and output.
+        ffn_hidden_size: explicit SwiGLU hidden width (Hugging Face's `intermediate_size`); None
+            computes it from multiple_of and ffn_dim_multiplier.
         depth_init: True: output projections (wo, w2, w3) of block i get init std
             0.02 / sqrt(2 * (i + 1)); False: 0.02 / sqrt(2 * n_layers) for every block (TorchTitan).
     """
@@ -54,8 +64,14 @@ class LlamaModelArgs:
     ffn_dim_multiplier: float | None = None
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
+    rope_scaling: str = "none"
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
     max_seq_len: int = 2048
     tie_embeddings: bool = False
+    ffn_hidden_size: int | None = None
     depth_init: bool = True
 
     @property
@@ -69,8 +85,18 @@ class LlamaModelArgs:
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
     @property
+    def rope_scaling_params(self) -> tuple[float, float, float, int] | None:
+        """(factor, low_freq_factor, high_freq_factor, original_max_seq_len) with llama3 scaling, else None."""
+        if self.rope_scaling == "none":
+            return None
+        return (self.rope_scaling_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+                self.rope_original_max_seq_len)
+
+    @property
     def ffn_hidden_dim(self) -> int:
-        """SwiGLU hidden width (see `ffn_hidden_dim`)."""
+        """SwiGLU hidden width: `ffn_hidden_size` when set, else see `ffn_hidden_dim`."""
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
         return ffn_hidden_dim(self.dim, self.multiple_of, self.ffn_dim_multiplier)
 
     def validate(self) -> None:
@@ -113,6 +139,26 @@ class LlamaModelArgs:
             raise ValueError(f"LlamaModelArgs.norm_eps={self.norm_eps!r} must be > 0")
         if not self.rope_theta > 0:
             raise ValueError(f"LlamaModelArgs.rope_theta={self.rope_theta!r} must be > 0")
+        if self.ffn_hidden_size is not None and (
+            not isinstance(self.ffn_hidden_size, int) or self.ffn_hidden_size <= 0
+        ):
+            raise ValueError(
+                f"LlamaModelArgs.ffn_hidden_size={self.ffn_hidden_size!r} must be a positive integer or None"
+            )
+        if self.rope_scaling not in ("none", "llama3"):
+            raise ValueError(
+                f"LlamaModelArgs.rope_scaling={self.rope_scaling!r}: choose \"none\" or \"llama3\""
+            )
+        if self.rope_scaling == "llama3" and not (
+            self.rope_scaling_factor > 0 and self.rope_original_max_seq_len > 0
+            and self.rope_high_freq_factor > self.rope_low_freq_factor > 0
+        ):
+            raise ValueError(
+                f"LlamaModelArgs llama3 RoPE scaling needs factor > 0, original_max_seq_len > 0 and "
+                f"high_freq_factor > low_freq_factor > 0; got factor={self.rope_scaling_factor}, "
+                f"original_max_seq_len={self.rope_original_max_seq_len}, "
+                f"low={self.rope_low_freq_factor}, high={self.rope_high_freq_factor}"
+            )
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """Parameter count and training FLOPs per token of `model` (a Transformer or a stage of it).

@@ -21,22 +21,53 @@ import torch.nn.functional as F
 from models.init_utils import _init_tensor_, init_generator
 from models.llama.args import LlamaModelArgs
 
-__all__ = ["Transformer", "TransformerBlock", "Attention", "FeedForward", "precompute_rope", "apply_rope"]
+__all__ = [
+    "Transformer", "TransformerBlock", "Attention", "FeedForward", "rope_frequencies", "precompute_rope", "apply_rope",
+]
+
+
+def rope_frequencies(
+    head_dim: int, theta: float, scaling: tuple[float, float, float, int] | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """RoPE inverse frequencies theta^(-2i / head_dim) for the head_dim/2 channel pairs (Su et al. 2021).
+
+    With ``scaling = (factor, low_freq_factor, high_freq_factor, original_max_seq_len)`` they are
+    scaled as in Llama 3.1 (Grattafiori et al. 2024; Meta's reference ``apply_scaling``): with
+    wavelength 2*pi/f, frequencies whose wavelength exceeds original_max_seq_len / low_freq_factor
+    are divided by ``factor``, those below original_max_seq_len / high_freq_factor are kept, and in
+    between s = (original_max_seq_len / wavelength - low) / (high - low) blends them:
+    f' = (1 - s) * f / factor + s * f.
+
+    Returns:
+        float64 [head_dim // 2] (radians per token) on ``device``.
+    """
+    pair = torch.arange(0, head_dim, 2, device=device, dtype=torch.float64)
+    inv_freq = 1.0 / (theta ** (pair / head_dim))
+    if scaling is None:
+        return inv_freq
+    factor, low, high, original = scaling
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, blended)
+    return torch.where(wavelen < original / high, inv_freq, scaled)
 
 
 def precompute_rope(
-    head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None
+    head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None,
+    scaling: tuple[float, float, float, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE tables as real cos/sin (no complex dtype: friendlier to DTensor and torch.compile).
 
-    angle[p, i] = p * theta^(-2i / head_dim), for position p < max_seq_len and pair i < head_dim/2.
+    angle[p, i] = p * f_i for position p < max_seq_len and pair i < head_dim/2, with the
+    frequencies f of :func:`rope_frequencies` (``scaling``: Llama 3.1's, or None).
     Computed in float64 (positions up to 131072 lose ~1e-2 rad in float32), returned as float32.
 
     Returns:
         (cos, sin), each float32 [max_seq_len, head_dim // 2] on `device` (default device if None).
     """
-    pair = torch.arange(0, head_dim, 2, device=device, dtype=torch.float64)
-    inv_freq = 1.0 / (theta ** (pair / head_dim))
+    inv_freq = rope_frequencies(head_dim, theta, scaling, device=device)
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float64)
     angles = torch.outer(positions, inv_freq)
     return angles.cos().float(), angles.sin().float()
@@ -207,7 +238,8 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
         self._tie_weights()
         # Non-persistent: derived from the args, so checkpoints need not carry (or reshard) them.
-        cos, sin = precompute_rope(model_args.head_dim, model_args.max_seq_len, model_args.rope_theta)
+        cos, sin = precompute_rope(model_args.head_dim, model_args.max_seq_len, model_args.rope_theta,
+                                   scaling=model_args.rope_scaling_params)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -304,7 +336,7 @@ class Transformer(nn.Module):
         args = self.model_args
         device = buffer_device if buffer_device is not None else self.rope_cos.device
         self.rope_cos, self.rope_sin = precompute_rope(
-            args.head_dim, args.max_seq_len, args.rope_theta, device=device
+            args.head_dim, args.max_seq_len, args.rope_theta, device=device, scaling=args.rope_scaling_params
         )
         out_std = args.dim**-0.5
         if args.tie_embeddings:
