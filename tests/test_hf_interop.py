@@ -160,7 +160,7 @@ def test_preflight_refuses_another_model_than_the_checkpoint(converted, tmp_path
     from engine.preflight import check_setup
 
     _, dcp_dir, _ = converted["llama_tied_scaled"]
-    overrides = {"checkpoint.enable": "true", "checkpoint.initial_load_path": dcp_dir,
+    overrides = {"checkpoint.enable": "true", "checkpoint.initial_load_path": dcp_dir, "model.flavor": "debugmodel",
                  "model.tokenizer_path": os.path.join(REPO, "assets", "tokenizer", "shakespeare.model")}
     cfg = load_config(base_args(str(tmp_path / "run"), overrides))
     with pytest.raises(ValueError, match=r"holds another model than llama/debugmodel \(dim=64 vs 256\).*"
@@ -289,7 +289,8 @@ def test_to_hf_of_an_older_checkpoint_reads_the_config_it_was_saved_with(tmp_pat
     from engine.checkpoint.tools import save_seed_checkpoint
     from engine.config import load_config
 
-    cfg = load_config(base_args(str(tmp_path / "run"), {"checkpoint.enable": "true", "model.tie_embeddings": "true"}))
+    cfg = load_config(base_args(str(tmp_path / "run"), {"checkpoint.enable": "true", "model.tie_embeddings": "true",
+                                                              "model.flavor": "debugmodel"}))
     seed = save_seed_checkpoint(cfg)
     marker = files.read_marker(seed)
     del marker["model"]

@@ -86,7 +86,8 @@ def test_preflight_refuses_a_tokenizer_larger_than_the_model(tokenizer_json, tmp
     from engine.config import load_config
     from engine.preflight import check_setup
 
-    cfg = load_config(base_args(str(tmp_path), {"model.tokenizer_path": tokenizer_json, "model.vocab_size": "300"}))
+    cfg = load_config(base_args(str(tmp_path), {"model.tokenizer_path": tokenizer_json, "model.vocab_size": "300",
+                                                "model.flavor": "debugmodel"}))
     with pytest.raises(ValueError, match="has 512 tokens but model llama/debugmodel has vocab_size 300"):
         check_setup(cfg, 1, "cpu", check_data=False)
 
