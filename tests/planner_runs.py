@@ -15,6 +15,23 @@ import traceback
 from tests.training_utils import base_args
 
 
+def _build_real_plans(cfg, world_size: int, ranks: list[int]) -> list[tuple[dict, object]]:
+    from engine.planner.real_plan import build_real_plan
+
+    plans = [build_real_plan(cfg, world_size, rank, device_type="cpu") for rank in ranks]
+    return [(plan.coords, plan.state) for plan in plans]
+
+
+def real_plan_states(cfg, world_size: int, ranks: list[int]) -> list[tuple[dict, object]]:
+    """[(mesh coordinate, StateBytes)] of each rank's real plan (engine/planner/real_plan.py), built
+    in a forked child: a process that has built a plan under the fake process group must not fork
+    the training ranks of later tests (they trained different numbers, or failed to resolve their
+    process groups, when it did)."""
+    from tests.dist_utils import run_distributed
+
+    return run_distributed(_build_real_plans, 1, cfg, world_size, ranks, torchrun_env=False)[0]
+
+
 def _local_bytes(tensors) -> int:
     from torch.distributed.tensor import DTensor
 

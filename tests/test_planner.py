@@ -45,17 +45,16 @@ def test_formula_state_bytes_equal_real_plan(name):
     gradient and optimizer bytes the placement formulas give for its mesh coordinate."""
     from engine.planner.layout import Layout
     from engine.planner.memory import state_bytes
-    from engine.planner.real_plan import build_real_plan
+    from tests.planner_runs import real_plan_states
 
     world_size, overrides = REAL_PLAN_LAYOUTS[name]
     cfg = _cfg(overrides)
     layout = Layout.from_config(cfg, world_size, "cpu")
     seen = set()
-    for rank in range(world_size):
-        real = build_real_plan(cfg, world_size, rank, device_type="cpu")
-        formula = state_bytes(layout, real.coords)
-        assert formula == real.state, (rank, real.coords, formula, real.state)
-        seen.add(real.state.params)
+    for rank, (coords, real) in enumerate(real_plan_states(cfg, world_size, list(range(world_size)))):
+        formula = state_bytes(layout, coords)
+        assert formula == real, (rank, coords, formula, real)
+        seen.add(real.params)
     if "uneven" in name:
         assert len(seen) > 1, "the layout was meant to give ranks different shard sizes"
 

@@ -81,13 +81,13 @@ def _layout(name: str):
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_state_bytes_equal_real_plan_and_run(name, runs):
     from engine.planner.memory import state_bytes
-    from engine.planner.real_plan import build_real_plan
+    from tests.planner_runs import real_plan_states
 
     cfg, layout = _layout(name)
     measured = runs(name)
     sizes = set()
-    for m in measured:
-        real = build_real_plan(cfg, layout.world_size, m["rank"], device_type="cpu").state
+    plans = real_plan_states(cfg, layout.world_size, [m["rank"] for m in measured])
+    for m, (_, real) in zip(measured, plans):
         held = (m["params"], m["grads"], m["optimizer"])
         assert (real.params, real.grads, real.optimizer) == held, (m["rank"], real, held)
         formula = state_bytes(layout, m["coords"])
