@@ -5,7 +5,8 @@ each layout in turn, builds a Trainer, trains one warm-up step and then measures
 - state bytes: local shards of the parameters, of the gradients just before ``optimizer.step()`` and
   of every optimizer state tensor after it;
 - communication: every collective of the step (parallelisms/comm_counter.py ``CommCounter``),
-  attributed to mesh dims by ``group_names_by_mesh_dim``; payload and ring ("wire") bytes per dim.
+  attributed to mesh dims by ``group_names_by_mesh_dim``; payload and ring ("wire") bytes per dim;
+- peak memory of the same step beyond the state (:func:`peak_tracker`).
 """
 
 from __future__ import annotations
@@ -42,18 +43,30 @@ def _local_bytes(tensors) -> int:
     return total
 
 
-def peak_activation_bytes(trainer) -> int:
-    """Peak bytes of activations and temporaries over one training step: the largest, at any tensor
-    allocation of the step, of torch's ``MemTracker`` categories ACT + TEMP + OTH (every live tensor
-    that is not a parameter, buffer, gradient or optimizer state).
+def peak_tracker(trainer):
+    """A torch ``MemTracker`` over the model parts and the optimizer that, at every tensor allocation
+    of the step it is entered around, records two peaks (bytes):
+
+    - ``activation_peak``: the largest sum of the categories ACT + TEMP + OTH (every live tensor that
+      is not a parameter, buffer, gradient or optimizer state): the planner's ``activations``;
+    - ``transient_peak``: the largest sum of every live tensor byte that is not the rank's own state
+      (its parameter shards, the gradients of those shards alive at that moment, optimizer state,
+      buffers). FSDP2 / ``replicate`` register the all-gathered (unsharded) parameters as the
+      module's parameters, so ``MemTracker`` counts them as PARAM, and their accumulated gradients as
+      GRAD; reduce-scatter / all-reduce buffers are allocated in backward and count as TEMP. This is
+      what the planner's ``activations + transient`` predicts.
 
     ``MemTracker`` refuses a second forward of a root module (accumulation and pipeline
-    microbatches call it several times); those calls are let through, the peak is still tracked.
+    microbatches call it several times); those calls are let through, the peaks are still tracked.
     """
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    params = [p for part in trainer.model_parts for p in part.parameters()]
+    held_params = _local_bytes(params)
+
     class _RepeatedCalls(MemTracker):
         activation_peak = 0
+        transient_peak = 0
 
         def _update_peak_stats(self, peak_state) -> None:
             super()._update_peak_stats(peak_state)
@@ -61,6 +74,9 @@ def peak_activation_bytes(trainer) -> int:
                 named = {str(c).rsplit(".", 1)[-1]: b for c, b in categories.items()}
                 live = named.get("ACT", 0) + named.get("TEMP", 0) + named.get("OTH", 0)
                 self.activation_peak = max(self.activation_peak, live)
+                state = held_params + _local_bytes([p.grad for p in params if p.grad is not None])
+                other = named.get("PARAM", 0) + named.get("GRAD", 0) - state
+                self.transient_peak = max(self.transient_peak, live + other)
 
         def _pre_fw_hook(self, module, inputs):
             try:
@@ -70,13 +86,12 @@ def peak_activation_bytes(trainer) -> int:
 
     tracker = _RepeatedCalls()
     tracker.track_external(*trainer.model_parts, trainer.optimizer)
-    with tracker:
-        trainer.train_step()
-    return tracker.activation_peak
+    return tracker
 
 
-def measure_one(argv: list[str], activations: bool = False) -> dict:
-    """One layout in this rank: {rank, coords, params, grads, optimizer, comm: {dim: {payload, wire}}}."""
+def measure_one(argv: list[str]) -> dict:
+    """One layout in this rank: {rank, coords, params, grads, optimizer, comm: {dim: {payload, wire}},
+    activations, activations_transient} (the last two: :func:`peak_tracker`, over the same step)."""
     import torch.distributed as dist
 
     from engine.config import load_config
@@ -92,10 +107,10 @@ def measure_one(argv: list[str], activations: bool = False) -> dict:
         params = [p for part in trainer.model_parts for p in part.parameters()]
         handle = trainer.optimizer.register_step_pre_hook(
             lambda *_: grads.append(_local_bytes([p.grad for p in params if p.grad is not None])))
-        with CommCounter() as comm:
+        tracker = peak_tracker(trainer)
+        with CommCounter() as comm, tracker:
             trainer.train_step()
         handle.remove()
-        activation_peak = peak_activation_bytes(trainer) if activations else None
         names = group_names_by_mesh_dim(trainer.parallel_dims)
         by_dim: dict[str, dict[str, float]] = {}
         for record in comm.records:
@@ -117,7 +132,8 @@ def measure_one(argv: list[str], activations: bool = False) -> dict:
                    for name, mesh in trainer.parallel_dims.meshes.items() if mesh.ndim == 1 and mesh.size() > 1}
         return {"rank": dist.get_rank() if dist.is_initialized() else 0, "coords": coords, "aliases": aliases,
                 "params": _local_bytes(params), "grads": grads[0], "optimizer": _local_bytes(optimizer_tensors),
-                "comm": by_dim, "activations": activation_peak}
+                "comm": by_dim,
+                "activations": tracker.activation_peak, "activations_transient": tracker.transient_peak}
     finally:
         trainer.close()
 
@@ -132,9 +148,7 @@ def measure_layouts(folder: str, layouts: dict[str, dict]) -> dict[str, dict | s
             results[name] = f"not run: layout {failed} failed before it in the same ranks"
             continue
         try:
-            overrides = dict(overrides)
-            activations = overrides.pop("measure_activations", False)
-            results[name] = measure_one(base_args(f"{folder}/{name}", {"training.steps": 3, **overrides}), activations)
+            results[name] = measure_one(base_args(f"{folder}/{name}", {"training.steps": 3, **overrides}))
         except Exception:  # noqa: BLE001 - reported by that layout's test
             results[name] = traceback.format_exc()
             failed = name

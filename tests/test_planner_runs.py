@@ -3,8 +3,10 @@
 Per layout and rank: the parameter, gradient and optimizer bytes the run holds equal, byte for byte,
 the real plan's local shards (built for that rank under a fake process group) and the planner's
 formulas; the bytes of every collective of one step, per mesh dim (parallelisms/comm_counter.py),
-equal the formulas of engine/planner/comm.py within 2 %. Layouts of a world size share one set of
-forked ranks (tests/planner_runs.py).
+equal the formulas of engine/planner/comm.py within 2 %; the activations plus the data-parallel
+buffers alive at their peak are within 15 % of the step's measured peak of non-state tensor bytes
+(torch ``MemTracker``, in the same step). Layouts of a world size share one set of forked ranks
+(tests/planner_runs.py).
 """
 
 from __future__ import annotations
@@ -19,25 +21,24 @@ pytestmark = pytest.mark.slow  # multi-process training
 
 COMM_TOLERANCE = 0.02
 ACTIVATION_TOLERANCE = 0.15
-MEASURE = {"measure_activations": True}  # also track the step's peak activation bytes (MemTracker)
 ACCUM2 = {"training.local_batch_size": 2}  # global 8 over dp 2: two accumulation microbatches
 LAYOUTS = {
     # name: (world_size, overrides)
     "fsdp2_accum2": (2, {"parallelism.dp_shard": 2, **ACCUM2}),
     "fsdp2_accum2_sync_last": (2, {"parallelism.dp_shard": 2, **ACCUM2, "parallelism.grad_sync_each_microbatch": "false"}),
     "ddp2_accum2": (2, {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 1, **ACCUM2}),
-    "tp2_sp": (2, {**MEASURE, "parallelism.dp_shard": 1, "parallelism.tp": 2, "training.local_batch_size": 4}),
-    "tp2_no_sp": (2, {**MEASURE, "parallelism.dp_shard": 1, "parallelism.tp": 2, "parallelism.sequence_parallel": "false",
+    "tp2_sp": (2, {"parallelism.dp_shard": 1, "parallelism.tp": 2, "training.local_batch_size": 4}),
+    "tp2_no_sp": (2, {"parallelism.dp_shard": 1, "parallelism.tp": 2, "parallelism.sequence_parallel": "false",
                       "training.local_batch_size": 4}),
     "cp2_fsdp": (2, {"parallelism.dp_shard": 1, "parallelism.cp": 2, "training.local_batch_size": 4}),
-    "pp2_1f1b_accum2": (2, {**MEASURE, "parallelism.dp_shard": 1, "parallelism.pp": 2, "parallelism.pp_microbatch_size": 2,
+    "pp2_1f1b_accum2": (2, {"parallelism.dp_shard": 1, "parallelism.pp": 2, "parallelism.pp_microbatch_size": 2,
                             "training.local_batch_size": 4}),
     "moe_ep2_fsdp2": (2, {"model.name": "moe", "parallelism.dp_shard": 2, "parallelism.ep": 2, **ACCUM2}),
     # one process: activation checkpointing modes
-    "single_ac_none": (1, {**MEASURE}),
-    "single_ac_full": (1, {**MEASURE, "activation_checkpoint.mode": "full"}),
-    "single_ac_op": (1, {**MEASURE, "activation_checkpoint.mode": "selective"}),
-    "single_ac_every2": (1, {**MEASURE, "activation_checkpoint.mode": "selective",
+    "single_ac_none": (1, {}),
+    "single_ac_full": (1, {"activation_checkpoint.mode": "full"}),
+    "single_ac_op": (1, {"activation_checkpoint.mode": "selective"}),
+    "single_ac_every2": (1, {"activation_checkpoint.mode": "selective",
                              "activation_checkpoint.selective_ac_option": "2"}),
     "fsdp3_uneven": (3, {"parallelism.dp_shard": 3, "training.local_batch_size": 1, "training.global_batch_size": 6}),
     "hsdp2x2_accum2": (4, {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 2, "training.local_batch_size": 1}),
@@ -72,7 +73,6 @@ def _layout(name: str):
     from engine.planner.layout import Layout
 
     world_size, overrides = LAYOUTS[name]
-    overrides = {k: v for k, v in overrides.items() if k != "measure_activations"}
     cfg = load_config(base_args("/tmp/unused", {"training.steps": 3, **overrides}))
     cfg.validate()
     return cfg, Layout.from_config(cfg, world_size, "cpu")
@@ -125,17 +125,54 @@ def test_comm_bytes_per_mesh_dim_match_counted(name, runs):
             assert abs(predicted[dim] - want) <= COMM_TOLERANCE * want, (dim, predicted[dim], want)
 
 
-ACTIVATION_LAYOUTS = sorted(n for n, (_, o) in LAYOUTS.items() if o.get("measure_activations"))
+# The planner's data-parallel term (engine/planner/memory.py ``transient_bytes``) is the buffers alive
+# at the activation peak (the loss). With one sequence per microbatch the activations are so small
+# that the step's peak moves to the end of backward, where the root unit's unsharded gradients, the
+# reduce-scatter (and, for HSDP, all-reduce) buffers and, for MoE, the experts' gradients and the
+# all-to-all dispatch buffers are alive: a phase the planner does not model yet. Measured on these
+# layouts: fsdp3_uneven -18 %, hsdp2x2_accum2 -29 %, moe_ep2_fsdp2 -27 % (planner low). Adding the
+# largest unit's unsharded gradient to the loss peak (the formula before) gives +18 %, +2 %, +6 % here
+# but +25 % on fsdp2_accum2 and cp2_fsdp: the step's peak is the larger of two phases, and the
+# reduction phase still needs its own term.
+REDUCTION_PHASE_PEAK = {"fsdp3_uneven", "hsdp2x2_accum2", "moe_ep2_fsdp2"}
 
 
-@pytest.mark.parametrize("name", ACTIVATION_LAYOUTS)
+def _activation_case(name: str):
+    if name in REDUCTION_PHASE_PEAK:
+        return pytest.param(name, marks=pytest.mark.xfail(
+            strict=True, reason="peak at the end-of-backward gradient reduction, not modelled (see above)"))
+    return name
+
+
+@pytest.mark.parametrize("name", [_activation_case(n) for n in sorted(LAYOUTS)])
 def test_activation_formula_within_15_percent_of_measured_peak(name, runs):
-    """engine/planner/memory.py's activation bytes vs the peak of non-state tensor bytes of a step
-    (tests/planner_runs.py ``peak_activation_bytes``), on every rank (both pipeline stages)."""
-    from engine.planner.memory import activation_bytes
+    """engine/planner/memory.py's ``activations + transient`` vs the peak, over the measured step, of
+    every live tensor byte that is not the rank's own state (tests/planner_runs.py
+    ``peak_tracker``), on every rank."""
+    from engine.planner.memory import activation_bytes, transient_bytes
 
     _, layout = _layout(name)
     for m in runs(name):
+        predicted = activation_bytes(layout, m["coords"].get("pp", 0)) + transient_bytes(layout, m["coords"])
+        measured = m["activations_transient"]
+        assert abs(predicted - measured) <= ACTIVATION_TOLERANCE * measured, (m["rank"], predicted, measured)
+
+
+NO_DATA_PARALLEL = sorted(n for n, (_, o) in LAYOUTS.items()
+                          if o.get("parallelism.dp_shard") == 1 and "parallelism.dp_replicate" not in o
+                          and o.get("parallelism.cp", 1) == 1 or n.startswith("single"))
+
+
+@pytest.mark.parametrize("name", NO_DATA_PARALLEL)
+def test_activations_alone_within_15_percent_without_data_parallel(name, runs):
+    """Without FSDP/DDP nothing but activations and temporaries is alive beyond the state: the
+    activation formula alone vs the peak of MemTracker's ACT + TEMP + OTH, on every rank (both
+    pipeline stages)."""
+    from engine.planner.memory import activation_bytes, transient_bytes
+
+    _, layout = _layout(name)
+    for m in runs(name):
+        assert transient_bytes(layout, m["coords"]) == 0
         predicted = activation_bytes(layout, m["coords"].get("pp", 0))
         assert abs(predicted - m["activations"]) <= ACTIVATION_TOLERANCE * m["activations"], (
             m["rank"], predicted, m["activations"])

@@ -29,10 +29,18 @@ tests/test_planner_runs.py show alive at the peak (torch's MemTracker).
 Pipeline stages hold the activations of the microbatches in flight: M for GPipe (all forwards
 first), min(M, pp - pp_rank) for 1F1B-style schedules (Narayanan et al. arXiv 2104.04473 §2.2).
 
-Transient FSDP buffers: the gathered parameters of the unit in use and the next one (prefetch), in
-the compute dtype, and the unsharded gradient of one unit in the reduce dtype; with one gradient
-reduction per step (``grad_sync_each_microbatch = false``) every unit stays gathered for the whole
-step (parallelisms/data_parallel.py ``sync_on_last_microbatch``).
+Transient data-parallel buffers, the ones alive at the activation peak (the loss) and so added to
+it: under FSDP2 (torch ``fully_shard``: each unit all-gathers its parameters in the compute dtype
+before use and frees them after, prefetching the next unit in backward; the root is not resharded
+after forward) the root unit and the next block, gathered; with one gradient reduction per step
+(``grad_sync_each_microbatch = false``) every unit stays gathered and keeps its unsharded gradient
+in the reduce dtype for the whole step (parallelisms/data_parallel.py ``sync_on_last_microbatch``);
+under DDP (torch's FSDP2-based ``replicate``) every unit's unsharded parameters, a second copy of
+the parameters in the compute dtype. A unit's unsharded gradient and its reduce-scatter buffers live
+only in that unit's backward, after the loss's peak: they are not added. tests/test_planner_runs.py
+checks activations + transient against the non-state peak of CPU runs; where the activations are so
+small that the end-of-backward reduction is the step's peak (one sequence per microbatch), the
+planner is low (recorded there).
 """
 
 from __future__ import annotations
@@ -45,8 +53,8 @@ from engine.planner.real_plan import STEP_TENSOR_BYTES, StateBytes
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes on the busiest rank: params, grads, optimizer, activations (peak), transient (FSDP
-    buffers), total = the sum."""
+    """Bytes on the busiest rank: params, grads, optimizer, activations (peak), transient
+    (FSDP/DDP buffers alive at the activation peak), total = the sum."""
 
     params: int
     grads: int
@@ -162,20 +170,30 @@ def activation_bytes(layout, pp_rank: int = 0) -> int:
 
 
 def transient_bytes(layout, coords: dict | None = None) -> int:
-    """FSDP's gathered buffers at peak (module docstring); 0 without FSDP/DDP wrapping."""
-    if layout.fsdp == 1:
-        return 0
+    """Data-parallel buffers alive at the activation peak (module docstring), bytes; 0 without
+    FSDP/DDP wrapping.
+
+    FSDP2 (torch ``fully_shard``, torch/distributed/fsdp/_fully_shard): the unit in use and the next
+    one (backward prefetch) all-gathered in the compute dtype; the root unit is not resharded after
+    forward, so at the loss it and the last block are the two gathered units. With one gradient
+    reduction per step every unit stays gathered and keeps its unsharded gradient (reduce dtype)
+    from the first microbatch on. DDP (torch ``replicate``, FSDP2's code on a size-1 shard) keeps
+    every unit's unsharded parameters for the whole step (parallelisms/data_parallel.py).
+    """
+    ddp = layout.fsdp == 1 and layout.dp_replicate > 1
     units: dict[str, int] = {}
     for p in rank_params(layout, coords):
-        if p.fsdp_size > 1:
+        if p.fsdp_size > 1 or ddp:
             units[p.unit] = units.get(p.unit, 0) + padded_numel(p.tp_local, p.fsdp_dim, p.fsdp_size)
     if not units:
         return 0
     pb, rb = layout.param_bytes, layout.reduce_bytes
+    if ddp:
+        return sum(units.values()) * pb
     if layout.grad_accum > 1 and not layout.cfg.parallelism.grad_sync_each_microbatch:
         return sum(units.values()) * (pb + rb)
     largest = sorted(units.values(), reverse=True)
-    return (largest[0] + (largest[1] if len(largest) > 1 else 0)) * pb + largest[0] * rb
+    return (largest[0] + (largest[1] if len(largest) > 1 else 0)) * pb
 
 
 def estimate_memory(layout) -> MemoryEstimate:
