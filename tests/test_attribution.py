@@ -41,7 +41,7 @@ def _logged_times(folder: str) -> dict:
     for name, (overrides, _) in LAYOUTS.items():
         # debugmodel, not the suite's tiny flavor: there the step's fixed bookkeeping between the
         # phases (~40 ms) is a tenth of a step, as it never is at a real model size.
-        attributed = {**overrides, "training.steps": 2, "metrics.time_attribution": "true",
+        attributed = {**overrides, "training.steps": 3, "metrics.time_attribution": "true",
                       "model.flavor": "debugmodel"}
         train_and_record(base_args(f"{folder}/{name}", attributed))
         with open(f"{folder}/{name}/metrics.jsonl") as file:
@@ -55,7 +55,7 @@ def test_logged_steps_carry_the_split(tmp_path):
     results = run_distributed(_logged_times, 2, str(tmp_path), timeout=300)
     for name, (_, dim) in LAYOUTS.items():
         records = results[0][name]
-        assert len(records) == 2, records
+        assert len(records) == 3, records
         for times in records:
             step = times["time_step_s"]
             parts = {k: v for k, v in times.items() if k != "time_step_s"}
@@ -63,7 +63,9 @@ def test_logged_steps_carry_the_split(tmp_path):
             assert math.isclose(sum(parts.values()), step, rel_tol=1e-6), times
             assert times[f"time_comm_{dim}_s"] > 0, times  # attributed to its mesh dim, not "other"
             assert "time_comm_other_s" not in times, times
-            assert abs(times["time_other_s"]) < 0.1 * step, times  # the phases cover the step
             assert times["time_compute_s"] > 0.3 * step, times
+        # The phases cover the step: a phase left unmeasured would show on every step; a rank
+        # descheduled between two phases (other load on the cores) on some only.
+        assert min(abs(t["time_other_s"]) / t["time_step_s"] for t in records) < 0.1, records
         if name == "pp2":
             assert all(t["time_bubble_s"] > 0 for t in records), records
