@@ -11,9 +11,8 @@ each layout in turn, builds a Trainer, trains one warm-up step and then measures
 
 from __future__ import annotations
 
-import traceback
 
-from tests.training_utils import base_args
+from tests.training_utils import base_args, run_in_turn
 
 
 def _build_real_plans(cfg, world_size: int, ranks: list[int]) -> list[tuple[dict, object]]:
@@ -139,17 +138,7 @@ def measure_one(argv: list[str]) -> dict:
 
 
 def measure_layouts(folder: str, layouts: dict[str, dict]) -> dict[str, dict | str]:
-    """In every rank: {layout name: :func:`measure_one` result, or the traceback of its failure}; after
-    a failure the remaining layouts are not run (the ranks may no longer agree)."""
-    results: dict[str, dict | str] = {}
-    failed = None
-    for name, overrides in layouts.items():
-        if failed is not None:
-            results[name] = f"not run: layout {failed} failed before it in the same ranks"
-            continue
-        try:
-            results[name] = measure_one(base_args(f"{folder}/{name}", {"training.steps": 3, **overrides}))
-        except Exception:  # noqa: BLE001 - reported by that layout's test
-            results[name] = traceback.format_exc()
-            failed = name
-    return results
+    """In every rank: {layout name: :func:`measure_one` result, or the traceback of its failure}
+    (tests/training_utils.py :func:`run_in_turn`)."""
+    return run_in_turn(layouts, lambda name, overrides: measure_one(
+        base_args(f"{folder}/{name}", {"training.steps": 3, **overrides})))

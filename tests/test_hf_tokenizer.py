@@ -14,7 +14,7 @@ import pytest
 from engine.data.packing import pack_documents
 from engine.data.tokenizer import Tokenizer
 from scripts.train_tokenizer import main as train_tokenizer_main
-from tests.training_utils import REPO, SMALL_CORPUS, base_args
+from tests.training_utils import SMALL_CORPUS, base_args
 
 
 pytestmark = pytest.mark.usefixtures("private_datasets_cache")
