@@ -145,3 +145,35 @@ def train_layouts(folder: str, layouts: dict[str, dict]) -> dict[str, list | str
     """:func:`run_in_turn` of :func:`train_and_record` (a fresh Trainer and mesh per layout):
     {name: history, or the failure's traceback}."""
     return run_in_turn(layouts, lambda name, overrides: train_and_record(base_args(f"{folder}/{name}", overrides)))
+
+
+class LayoutRuns:
+    """Parity layouts of one test module, trained lazily and once per world size: all layouts of a
+    world size run in the same forked ranks (one process group), which saves a fork, a process-group
+    set-up and the imports per layout. ``history(name)`` returns every rank's [(loss, grad_norm)].
+
+    Args:
+        layouts: {name: (world_size, overrides)}; folder: a temporary folder for the run folders.
+    """
+
+    def __init__(self, layouts: dict[str, tuple[int, dict]], folder: str):
+        self.layouts = layouts
+        self.folder = folder
+        self._cache: dict[int, list[dict]] = {}
+
+    def history(self, name: str) -> list[list[tuple[float, float]]]:
+        from tests.dist_utils import run_distributed
+
+        world_size, _ = self.layouts[name]
+        if world_size not in self._cache:
+            same = {n: overrides for n, (w, overrides) in self.layouts.items() if w == world_size}
+            timeout = 60.0 + 60.0 * world_size * len(same)
+            self._cache[world_size] = run_distributed(
+                train_layouts, world_size, f"{self.folder}/world{world_size}", same, timeout=timeout,
+                torchrun_env=world_size > 1,
+            )
+        per_rank = [results[name] for results in self._cache[world_size]]
+        for result in per_rank:
+            if isinstance(result, str):
+                raise AssertionError(f"layout {name}:\n{result}")
+        return per_rank
