@@ -19,16 +19,20 @@ GIB = 1024**3
 
 
 def _gpu_for(cfg):
-    from engine.planner.hardware import get_gpu, gpu_from_device_name
+    from engine.planner.hardware import GPUS, HardwareError, get_gpu, gpu_from_device_name
 
     if cfg.job.dry_run_gpu:
-        return get_gpu(cfg.job.dry_run_gpu), "job.dry_run_gpu"
+        try:
+            return get_gpu(cfg.job.dry_run_gpu), "job.dry_run_gpu"
+        except HardwareError:
+            raise HardwareError(f"job.dry_run_gpu = {cfg.job.dry_run_gpu!r} is not in the hardware table "
+                                f"(engine/planner/hardware.py); use one of {', '.join(GPUS)}") from None
     detected = _detected_gpu_name()
     if detected:
         gpu = gpu_from_device_name(detected)
         if gpu is not None:
             return gpu, f"detected {detected}"
-    return get_gpu("H100-80GB"), "default (set job.dry_run_gpu to choose)"
+    return get_gpu("H100-80GB"), "the default; job.dry_run_gpu chooses"
 
 
 def _detected_gpu_name() -> str | None:

@@ -37,6 +37,9 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from scripts.project_env import use_project_python  # noqa: E402
+
+use_project_python()  # the system Python of a fresh machine lacks torch: re-run under .venv's
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from scripts.benchmarks import runs  # noqa: E402

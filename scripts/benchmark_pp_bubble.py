@@ -21,6 +21,9 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from scripts.project_env import use_project_python  # noqa: E402
+
+use_project_python()  # the system Python of a fresh machine lacks torch: re-run under .venv's
 
 from parallelisms.pipeline_timing import gpipe_bubble_fraction  # noqa: E402
 

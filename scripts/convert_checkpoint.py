@@ -27,6 +27,9 @@ import sys
 
 # Allow `python scripts/convert_checkpoint.py` from the repo root without installing the package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from scripts.project_env import use_project_python  # noqa: E402
+
+use_project_python()  # the system Python of a fresh machine lacks torch: re-run under .venv's
 
 from engine.checkpoint.tools import DTYPES, export_model_weights, import_model_weights  # noqa: E402
 
@@ -77,11 +80,16 @@ def _hugging_face(args: argparse.Namespace) -> int:
         folder = args.checkpoint_dir
         print(f"wrote model-only checkpoint {folder}: {out['name']} model, {out['parameters']:,} parameters in "
               f"{out['tensors']} float32 tensors; model arguments in {folder}/quadra.json")
-        command = f"./run_train.sh --checkpoint.initial_load_path {folder} --model.args_path {folder}"
+        run = os.path.join(os.path.dirname(os.path.abspath(folder)), "run")
+        command = (f"./run_train.sh --checkpoint.initial_load_path {folder} --model.args_path {folder} "
+                   f"--job.dump_folder {run}")
         if out["name"] != "llama":
             command += f" --model.name {out['name']}"
         if out["tokenizer"]:
             command += f" --model.tokenizer_path {folder}/{out['tokenizer']}"
+        else:
+            command += (" --model.tokenizer_path TOKENIZER (the model folder has no tokenizer.json: train one with "
+                        "scripts/train_tokenizer.py --format hf, at most the model's vocab_size)")
         print(f"continue pretraining from it (any layout):\n  {command}")
     else:
         out = export_hf_model(args.checkpoint_dir, args.hf_dir, args.dtype, parse_size(args.max_shard_size))

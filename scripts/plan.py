@@ -16,6 +16,9 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from scripts.project_env import use_project_python  # noqa: E402
+
+use_project_python()  # the system Python of a fresh machine lacks torch: re-run under .venv's
 
 
 class _Parser(argparse.ArgumentParser):
@@ -56,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not 0 < a.efficiency <= 1:
         print(f"plan error: --efficiency {a.efficiency} must be in (0, 1]", file=sys.stderr)
+        return 2
+    folder = os.path.dirname(os.path.abspath(a.json)) if a.json else ""
+    if a.json and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+        print(f"plan error: --json {a.json}: folder {folder} does not exist or is not writable; "
+              "create it or choose another path", file=sys.stderr)
         return 2
     from engine.config import ConfigError, load_config
     from engine.planner.hardware import HardwareError, get_gpu

@@ -16,6 +16,9 @@ import sys
 
 # Allow `python scripts/seed_checkpoint.py` from the repo root without installing the package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from scripts.project_env import use_project_python  # noqa: E402
+
+use_project_python()  # the system Python of a fresh machine lacks torch: re-run under .venv's
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -205,7 +205,8 @@ def test_command_line(converted, tmp_path, capsys):
     seed = str(tmp_path / "seed")
     assert script.main(["from-hf", hf_dir, seed]) == 0
     out = capsys.readouterr().out
-    assert f"--checkpoint.initial_load_path {seed} --model.args_path {seed} --model.name moe" in out
+    assert (f"--checkpoint.initial_load_path {seed} --model.args_path {seed} "
+            f"--job.dump_folder {os.path.join(os.path.dirname(seed), 'run')} --model.name moe") in out
     assert script.main(["from-hf", hf_dir, seed]) == 2  # never overwrites
     assert "already exists" in capsys.readouterr().err
     assert script.main(["to-hf", seed, str(tmp_path / "out"), "--dtype", "bfloat16"]) == 0

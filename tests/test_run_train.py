@@ -67,6 +67,7 @@ CONFIG_ERRORS = {
     "misspelled key": (["--training.stpes", "10"], "did you mean 'training.steps'"),
     "wrong type": (["--training.steps", "ten"], "training.steps"),
     "zero lr": (["--optimizer.lr", "0"], "optimizer.lr = 0.0: must be > 0"),
+    "negative steps": (["--training.steps", "-3"], "training.steps = -3: must be > 0"),
 }
 
 
@@ -77,6 +78,7 @@ def test_bad_config_is_refused_before_any_rank_starts(case, tmp_path):
     run = _run(["--job.dump_folder", str(tmp_path), *args], timeout=60)
     assert run.returncode == 2, run.stderr[-2000:]
     assert run.stderr.startswith("config error: ") and expected in run.stderr, run.stderr[-2000:]
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr[-2000:]
     assert "torch.distributed" not in run.stderr and "Traceback" not in run.stderr
 
 

@@ -84,8 +84,10 @@ class JobConfig:
         """
         # Range checks compare numbers, so they run only once every value has its declared type.
         problems = _type_problems(self) or range_problems(self)
+        if len(problems) == 1:
+            raise ConfigError(problems[0])
         if problems:
-            raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+            raise ConfigError(f"{len(problems)} problems:\n  " + "\n  ".join(problems))
 
     def warnings(self) -> list[str]:
         """What is merely unusual (e.g. a warmup longer than the run, which is clamped), one line
