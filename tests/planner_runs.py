@@ -62,6 +62,9 @@ def peak_tracker(trainer):
 
     params = [p for part in trainer.model_parts for p in part.parameters()]
     held_params = _local_bytes(params)
+    # A gradient has its parameter's local shape (tests/training_utils.py gradient_placement_errors):
+    # its bytes are known in advance, so each allocation only checks which gradients exist.
+    grad_bytes = [(p, _local_bytes([p])) for p in params]
 
     class _RepeatedCalls(MemTracker):
         activation_peak = 0
@@ -73,7 +76,7 @@ def peak_tracker(trainer):
                 named = {str(c).rsplit(".", 1)[-1]: b for c, b in categories.items()}
                 live = named.get("ACT", 0) + named.get("TEMP", 0) + named.get("OTH", 0)
                 self.activation_peak = max(self.activation_peak, live)
-                state = held_params + _local_bytes([p.grad for p in params if p.grad is not None])
+                state = held_params + sum(size for p, size in grad_bytes if p.grad is not None)
                 other = named.get("PARAM", 0) + named.get("GRAD", 0) - state
                 self.transient_peak = max(self.transient_peak, live + other)
 
