@@ -63,7 +63,7 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
     import models  # noqa: F401  (registers the built-in models; torch-free)
     from engine.data.batch_sizes import resolve_batch_sizes
     from engine.data.tokenizer import Tokenizer
-    from models.registry import base_model_args, model_record, resolve_model_args
+    from models.registry import model_record, resolve_model
     from parallelisms.checks import validate_context_parallel
     from parallelisms.parallel_dims import ParallelDims
     from parallelisms.pipeline_plan import plan_model_pipeline
@@ -72,7 +72,7 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
     parallel_dims = ParallelDims.from_config(p, world_size)
     global_batch, accum = resolve_batch_sizes(t.local_batch_size, t.global_batch_size, parallel_dims.dp)
     vocab = Tokenizer(cfg.model.tokenizer_path).vocab_size
-    spec, args = resolve_model_args(cfg.model, seq_len=t.seq_len, tokenizer_vocab_size=vocab)
+    spec, args, base_args, label = resolve_model(cfg.model, seq_len=t.seq_len, tokenizer_vocab_size=vocab)
     if spec.validate_parallelism_fn is not None:  # heads % tp, experts % ep, ...
         spec.validate_parallelism_fn(args, p, seq_len=t.seq_len, device_type=device_type,
                                      compile_enabled=cfg.compile.enable)
@@ -81,7 +81,6 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
                                   compile_enabled=cfg.compile.enable)
     if parallel_dims.pp_enabled:
         plan_model_pipeline(p, args, local_batch_size=t.local_batch_size, pp_rank=0)
-    _, base_args, label = base_model_args(cfg.model)
     _check_initial_load(cfg, base_args, label)
     if check_data:
         _check_local_data(cfg)

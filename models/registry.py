@@ -29,6 +29,7 @@ __all__ = [
     "list_model_names",
     "load_ref",
     "resolve_model_args",
+    "resolve_model",
     "base_model_args",
     "model_record",
     "args_from_record",
@@ -263,7 +264,21 @@ def resolve_model_args(model_cfg, *, seq_len: int, tokenizer_vocab_size: int):
         ValueError: unknown name/flavor, a bad ``model.args_path``, a tokenizer vocabulary larger
             than the model's embedding table, or ``seq_len`` above the model's ``max_seq_len``.
     """
-    spec, args, label = base_model_args(model_cfg)
+    spec, args, _, _ = resolve_model(model_cfg, seq_len=seq_len, tokenizer_vocab_size=tokenizer_vocab_size)
+    return spec, args
+
+
+def resolve_model(model_cfg, *, seq_len: int, tokenizer_vocab_size: int):
+    """:func:`resolve_model_args` with what it starts from, for callers that also record the model.
+
+    Returns:
+        (spec, args as trained, args before ``seq_len`` (what checkpoints record), label for messages).
+
+    Raises:
+        ValueError: as :func:`resolve_model_args`.
+    """
+    spec, base, label = base_model_args(model_cfg)
+    args = base
     if tokenizer_vocab_size > args.vocab_size:
         raise ValueError(
             f"the tokenizer at model.tokenizer_path = {model_cfg.tokenizer_path!r} has "
@@ -277,4 +292,4 @@ def resolve_model_args(model_cfg, *, seq_len: int, tokenizer_vocab_size: int):
         )
     args = dataclasses.replace(args, max_seq_len=seq_len)
     args.validate()
-    return spec, args
+    return spec, args, base, label

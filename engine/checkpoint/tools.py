@@ -149,8 +149,8 @@ def save_seed_checkpoint(cfg) -> str:
         ValueError: bad [model] settings (see engine.model_builder.resolve_model_args).
     """
     from engine.config import config_to_toml
-    from engine.model_builder import build_meta_model, materialize, resolve_model_args
-    from models.registry import base_model_args, model_record
+    from engine.model_builder import build_meta_model, materialize
+    from models.registry import model_record, resolve_model
     from engine.data.tokenizer import Tokenizer
 
     folder = os.path.join(cfg.run_folder, cfg.checkpoint.folder)
@@ -160,9 +160,9 @@ def save_seed_checkpoint(cfg) -> str:
             f"{folder!r} already holds checkpoints {sorted(found.complete)}; a run resumes from those, "
             "so a seed checkpoint would never be used. Fix: use a fresh job.dump_folder")
     tokenizer = Tokenizer(cfg.model.tokenizer_path)
-    spec, args = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len,
-                                    tokenizer_vocab_size=tokenizer.vocab_size)
+    spec, args, base_args, _ = resolve_model(cfg.model, seq_len=cfg.training.seq_len,
+                                             tokenizer_vocab_size=tokenizer.vocab_size)
     model = materialize(build_meta_model(spec, args), torch.device("cpu"), cfg.training.seed)
     marker = {"step": 0, "seed": cfg.training.seed, "config": config_to_toml(cfg),
-              "model": model_record(cfg.model.name, base_model_args(cfg.model)[1])}
+              "model": model_record(cfg.model.name, base_args)}
     return write_model_only(get_model_state_dict(model), files.step_dir(folder, 0), marker)
