@@ -128,6 +128,32 @@ _COMPUTED_KEYS = (
 )
 
 
+def _drop_records_after(path: str, step: int) -> None:
+    """Rewrite the JSON-lines file ``path`` without the records whose ``step`` is above ``step``
+    (atomically: a temporary file replaces it). A missing file or nothing to drop leaves it as is;
+    a torn last line (a crash mid-write) is dropped too."""
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as file:
+        lines = file.readlines()
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if int(record.get("step", 0)) <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if len(kept) == len(lines) and all(a == b for a, b in zip(kept, lines)):
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as file:
+        file.writelines(kept)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(tmp, path)
+
+
 class MetricsLogger:
     """Per-rank training metrics: throughput, MFU, memory, data wait, ETA; console/TB/jsonl.
 
@@ -142,6 +168,10 @@ class MetricsLogger:
         device: the training device; selects the memory statistics and the peak-FLOPS lookup.
         devices_per_dp_rank: devices that process the same tokens of one data-parallel rank
             (cp * tp * pp); tokens/s/device = tokens of this rank / seconds / this number.
+        resumed_step: the step the run continues from (0 for a new run). Records of later steps,
+            left by an earlier launch of this folder that stopped after its last checkpoint, are
+            dropped from metrics.jsonl and purged from TensorBoard (``SummaryWriter(purge_step=)``,
+            torch.utils.tensorboard docs): the steps are trained again and each appears once.
 
     Raises:
         ValueError: ``metrics.log_freq`` <= 0, ``devices_per_dp_rank`` < 1,
@@ -151,6 +181,7 @@ class MetricsLogger:
     def __init__(
         self, cfg, run_folder: str, *, rank: int, is_logging_rank: bool, flops_per_token: float,
         training_steps: int, device: torch.device | str = "cpu", devices_per_dp_rank: int = 1,
+        resumed_step: int = 0,
     ) -> None:
         if cfg.log_freq <= 0:
             raise ValueError(f"metrics.log_freq={cfg.log_freq} must be > 0 (log every N steps)")
@@ -178,13 +209,16 @@ class MetricsLogger:
         self._tb = None
         if is_logging_rank:
             os.makedirs(run_folder, exist_ok=True)
+            path = os.path.join(run_folder, "metrics.jsonl")
+            _drop_records_after(path, resumed_step)
             # Append: a resumed run continues the same file.
-            self._jsonl = open(os.path.join(run_folder, "metrics.jsonl"), "a", encoding="utf-8")
+            self._jsonl = open(path, "a", encoding="utf-8")
             if cfg.enable_tensorboard:
                 # Imported lazily: tensorboard is slow to import and only the logging rank needs it.
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(log_dir=os.path.join(run_folder, cfg.save_tb_folder))
+                self._tb = SummaryWriter(log_dir=os.path.join(run_folder, cfg.save_tb_folder),
+                                         purge_step=resumed_step + 1)
 
     def _reset_interval(self) -> None:
         self._steps = 0
