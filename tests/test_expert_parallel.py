@@ -12,12 +12,12 @@ import math
 import pytest
 
 from tests.dist_utils import run_distributed
-from tests.training_utils import assert_parity, base_args, train_and_record
+from tests.training_utils import MOE_FLAVOR, assert_parity, base_args, train_and_record
 
 pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)
 
 MOE = {"model.name": "moe"}
-MIXTRAL = {"model.name": "moe", "model.flavor": "debugmodel_mixtral"}
+MIXTRAL = {"model.name": "moe", "model.flavor": "debugmodel_mixtral_tiny"}
 
 # name: (world_size, overrides); every layout trains on the same global batch of 8 sequences.
 LAYOUTS = {
@@ -67,7 +67,7 @@ def _train_layouts(folder: str, names: list[str], zero_token_check: bool) -> dic
 def _references(folder: str) -> dict:
     return {
         flavor: train_and_record(base_args(f"{folder}/{flavor}", {"model.name": "moe", "model.flavor": flavor}))
-        for flavor in ("debugmodel", "debugmodel_mixtral")
+        for flavor in (MOE_FLAVOR, MIXTRAL["model.flavor"])
     }
 
 
@@ -103,7 +103,7 @@ def runs_4(tmp_path_factory):
 def test_moe_parity_with_one_process(layout, references, request):
     world_size, overrides = LAYOUTS[layout]
     results = request.getfixturevalue(f"runs_{world_size}")
-    reference = references[overrides.get("model.flavor", "debugmodel")]
+    reference = references[overrides.get("model.flavor", MOE_FLAVOR)]
     for rank_results in results:  # every rank reports the same global loss and grad norm
         assert_parity(rank_results[layout], reference)
 

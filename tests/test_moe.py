@@ -242,6 +242,10 @@ def test_activation_checkpointing_counts_tokens_once():
 FLAVOR_COUNTS = {
     "debugmodel": (6_136_064, 4_366_592),
     "debugmodel_mixtral": (6_039_808, 3_680_512),
+    # 2·4096·64 embedding + output; per layer 12,288 attention + 128 norms; dense layer 3·64·192;
+    # MoE layer 64·8 router + 8·3·64·32 experts (2 active) + 3·64·32 shared; final norm 64.
+    "debugmodel_tiny": (778_304, 667_712),
+    "debugmodel_mixtral_tiny": (772_672, 625_216),
     "16B": (15_788_259_328, 2_742_925_312),
     "mixtral_8x7b": (46_702_792_704, 12_879_925_248),
 }

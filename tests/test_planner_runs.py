@@ -33,7 +33,7 @@ LAYOUTS = {
     "cp2_fsdp": (2, {"parallelism.dp_shard": 1, "parallelism.cp": 2, "training.local_batch_size": 4}),
     "pp2_1f1b_accum2": (2, {"parallelism.dp_shard": 1, "parallelism.pp": 2, "parallelism.pp_microbatch_size": 2,
                             "training.local_batch_size": 4}),
-    "moe_ep2_fsdp2": (2, {"model.name": "moe", "parallelism.dp_shard": 2, "parallelism.ep": 2, **ACCUM2}),
+    "moe_ep2_fsdp2": (2, {"model.name": "moe", "model.flavor": "debugmodel", "parallelism.dp_shard": 2, "parallelism.ep": 2, **ACCUM2}),
     # one process: activation checkpointing modes
     "single_ac_none": (1, {}),
     "single_ac_full": (1, {"activation_checkpoint.mode": "full"}),

@@ -10,8 +10,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_CORPUS = os.path.join(REPO, "assets", "data", "shakespeare", "validation.jsonl")
 PARITY_STEPS = 5
 # The suite's LLaMA flavor (models/llama/flavors.py): debugmodel's layout at a quarter of its width,
-# so a step of a multi-process layout costs a third of debugmodel's. MoE layouts keep their flavors.
+# so a step of a multi-process layout costs a third of debugmodel's; MoE runs the same-named flavor
+# of models/moe/flavors.py unless a test names another.
 FLAVOR = "debugmodel_tiny"
+MOE_FLAVOR = "debugmodel_tiny"
 MAX_NORM = 0.3
 # Adam's eps and the learning rate decide how much a wrong clipping factor moves the weights:
 # clipping by 0.3 instead of 0.3 * sqrt(2) (a norm reduced over one of two ranks only) moves the loss
@@ -22,8 +24,8 @@ SEQ_LEN = 32
 
 
 def base_args(dump_folder: str, overrides: dict | None = None) -> list[str]:
-    """CLI arguments of a 5-step fp32 run of the tests' flavor (:data:`FLAVOR`; MoE layouts name
-    their own) on the small corpus (global batch 8 × 32 tokens), on the CPU, with gradient clipping
+    """CLI arguments of a 5-step fp32 run of the tests' flavor (:data:`FLAVOR`, :data:`MOE_FLAVOR`
+    for ``model.name = "moe"``, unless ``overrides`` names one) on the small corpus (global batch 8 × 32 tokens), on the CPU, with gradient clipping
     engaged at every step."""
     settings = {
         "model.flavor": FLAVOR,
@@ -53,8 +55,8 @@ def base_args(dump_folder: str, overrides: dict | None = None) -> list[str]:
         "metrics.time_attribution": "false",
         "comm.init_timeout_seconds": "60",
     }
-    if (overrides or {}).get("model.name", "llama") != "llama":
-        del settings["model.flavor"]  # another model family: its own default flavor unless named
+    if (overrides or {}).get("model.name", "llama") == "moe":
+        settings["model.flavor"] = MOE_FLAVOR
     settings.update({key: str(value) for key, value in (overrides or {}).items()})
     argv: list[str] = []
     for key, value in settings.items():
