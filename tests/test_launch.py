@@ -19,7 +19,7 @@ from tests.training_utils import FLAVOR, REPO
 
 pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)
 
-STEPS = 16
+STEPS = 20  # room for five stopped launches of about three steps each
 SETTINGS = {"training.steps": STEPS, "training.seq_len": 32, "validation.enable": "false",
             "training.local_batch_size": 2, "training.global_batch_size": 8, "training.gc_freq": 0,
             "lr_scheduler.warmup_steps": 2, "metrics.log_freq": 1, "checkpoint.interval": 100,
@@ -117,16 +117,20 @@ def _newest_checkpoint(folder: str) -> int:
     return max(steps, default=0)
 
 
-@pytest.mark.parametrize("stops", [
-    # SIGTERM to the process group, SIGUSR1 (SLURM's --signal=USR1@120) to the script, SIGTERM to every rank.
-    [(signal.SIGTERM, "group"), (signal.SIGUSR1, "script"), (signal.SIGTERM, "ranks")],
-    # Ctrl-C once (stop and save, like SIGTERM), then twice (abort at once: exit 130, resumable).
-    [(signal.SIGINT, "group"), ((signal.SIGINT, signal.SIGINT), "group")],
-], ids=["term-usr1", "ctrl-c"])
-def test_stop_signals_save_exit_0_and_the_same_command_continues_bitwise(stops, corpus, reference, tmp_path):
+# One chain of launches of the same command, each stopped another way:
+STOPS = [
+    (signal.SIGTERM, "group"),  # SIGTERM to the process group (scancel, a container runtime)
+    (signal.SIGUSR1, "script"),  # SIGUSR1 to the script (SLURM's --signal=USR1@120)
+    (signal.SIGTERM, "ranks"),  # SIGTERM to every rank but not the launcher
+    (signal.SIGINT, "group"),  # Ctrl-C once: stop and save, like SIGTERM
+    ((signal.SIGINT, signal.SIGINT), "group"),  # Ctrl-C twice: abort at once (exit 130), resumable
+]
+
+
+def test_stop_signals_save_exit_0_and_the_same_command_continues_bitwise(corpus, reference, tmp_path):
     folder = str(tmp_path / "run")
     args = _args(folder, corpus)
-    for sigs, to in stops:
+    for sigs, to in STOPS:
         sigs = sigs if isinstance(sigs, tuple) else (sigs,)
         proc = _launch(args)
         _stop_after_two_more_steps(proc, folder, [(sig, to) for sig in sigs])
@@ -155,7 +159,7 @@ def test_stop_signals_save_exit_0_and_the_same_command_continues_bitwise(stops, 
     # resumed launch purges the steps an aborted one logged after its last checkpoint).
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    assert len(glob.glob(os.path.join(folder, "tb", "events.out.tfevents.*"))) == len(stops) + 1
+    assert len(glob.glob(os.path.join(folder, "tb", "events.out.tfevents.*"))) == len(STOPS) + 1
     events = EventAccumulator(os.path.join(folder, "tb"))
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == list(range(1, STEPS + 1))
