@@ -65,6 +65,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plan error: --json {a.json}: folder {folder} does not exist or is not writable; "
               "create it or choose another path", file=sys.stderr)
         return 2
+    if a.config and not os.path.isfile(a.config):
+        print(f"plan error: --config {a.config}: no such file; pass a TOML file, e.g. train_configs/llama3_8b.toml",
+              file=sys.stderr)
+        return 2
+    import models  # noqa: F401  (registers the model families)
+    from models.registry import get_model_spec, list_model_names
+
+    if a.model not in list_model_names():
+        print(f"plan error: --model {a.model!r} is not a registered model; use one of {', '.join(list_model_names())}",
+              file=sys.stderr)
+        return 2
+    spec = get_model_spec(a.model)
+    if a.flavor not in spec.flavors:
+        print(f"plan error: --flavor {a.flavor!r} is not a flavor of {a.model}; use one of {', '.join(spec.flavors)}",
+              file=sys.stderr)
+        return 2
     from engine.config import ConfigError, load_config
     from engine.planner.hardware import HardwareError, get_gpu
     from engine.planner.report import table, write_json
@@ -80,12 +96,6 @@ def main(argv: list[str] | None = None) -> int:
             "--training.mixed_precision_param", "bfloat16", "--job.device", "cuda",
         ])
         cfg.validate()
-        from models.registry import get_model_spec
-        import models  # noqa: F401
-
-        spec = get_model_spec(a.model)
-        if a.flavor not in spec.flavors:
-            raise ConfigError(f"--flavor {a.flavor!r} is not a flavor of {a.model}; use one of {', '.join(spec.flavors)}")
     except (ConfigError, HardwareError, ValueError) as error:
         print(f"plan error: {error}", file=sys.stderr)
         return 2

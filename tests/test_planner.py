@@ -99,6 +99,8 @@ def test_plan_script_json(tmp_path):
     (["--flavor", "70B", "--gpus", "0"], "--gpus 0 must be >= 1"),
     (["--flavor", "70B", "--gpus", "8", "--gpu", "V100"], "--gpu 'V100' is not in the hardware table"),
     (["--flavor", "7B", "--gpus", "8"], "--flavor '7B' is not a flavor of llama"),
+    (["--model", "gpt", "--flavor", "8B", "--gpus", "8"], "--model 'gpt' is not a registered model"),
+    (["--config", "nope.toml", "--flavor", "8B", "--gpus", "8"], "--config nope.toml: no such file"),
 ])
 def test_plan_script_refuses_bad_input(args, needle):
     result = _plan(*args, check=False)
