@@ -31,7 +31,9 @@ from scripts.project_env import use_project_python  # noqa: E402
 
 use_project_python()  # the system Python of a fresh machine lacks torch: re-run under .venv's
 
-from engine.checkpoint.tools import DTYPES, export_model_weights, import_model_weights  # noqa: E402
+DTYPE_NAMES = ("bfloat16", "float16", "float32")  # engine/checkpoint/tools.py DTYPES, without importing torch
+# The path each command reads: checked before torch is imported (seconds), so a typo fails at once.
+SOURCES = {"to-torch": "checkpoint_dir", "from-torch": "input", "from-hf": "hf_dir", "to-hf": "checkpoint_dir"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     to_torch = sub.add_parser("to-torch", help="DCP checkpoint folder -> one torch.save file of model weights")
     to_torch.add_argument("checkpoint_dir", help="a checkpoint folder, e.g. outputs/run/checkpoint/step-100")
     to_torch.add_argument("output", help="the .pt file to write")
-    to_torch.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+    to_torch.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
                           help="cast floating-point weights (default: keep the saved float32)")
     from_torch = sub.add_parser("from-torch", help="torch.save file of model weights -> DCP checkpoint folder")
     from_torch.add_argument("input", help="a .pt file holding {name: tensor}")
@@ -51,11 +53,17 @@ def main(argv: list[str] | None = None) -> int:
     to_hf = sub.add_parser("to-hf", help="DCP checkpoint folder -> Hugging Face model folder (safetensors)")
     to_hf.add_argument("checkpoint_dir", help="a checkpoint folder, e.g. outputs/run/checkpoint/step-100")
     to_hf.add_argument("hf_dir", help="the folder to create (must not exist)")
-    to_hf.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+    to_hf.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
                        help="dtype of the written weights (default: keep the saved float32)")
     to_hf.add_argument("--max-shard-size", default="5GB",
                        help="split the weights into shards of at most this size, e.g. 5GB, 500MB (default 5GB)")
     args = parser.parse_args(argv)
+    source = getattr(args, SOURCES[args.command])
+    if not os.path.exists(source):
+        print(f"error: {SOURCES[args.command]} {source}: no such file or folder", file=sys.stderr)
+        return 2
+    from engine.checkpoint.tools import export_model_weights, import_model_weights
+
     try:
         if args.command in ("from-hf", "to-hf"):
             return _hugging_face(args)

@@ -221,6 +221,11 @@ def test_command_line(converted, tmp_path, capsys):
     assert err.count("\n") == 1 and "model_type = 'gpt2' is not supported" in err
     assert script.main(["to-hf", seed, str(tmp_path / "y"), "--max-shard-size", "lots"]) == 2
     assert "--max-shard-size 'lots' is not a size" in capsys.readouterr().err
+    assert script.main(["to-hf", str(tmp_path / "missing"), str(tmp_path / "z")]) == 2  # before torch loads
+    assert capsys.readouterr().err == f"error: checkpoint_dir {tmp_path / 'missing'}: no such file or folder\n"
+    from engine.checkpoint.tools import DTYPES
+
+    assert script.DTYPE_NAMES == tuple(sorted(DTYPES))  # the torch-free copy of the --dtype choices
 
 
 # ---------------------------------------------------------------- continued pretraining
