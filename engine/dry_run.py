@@ -87,7 +87,13 @@ def dry_run(cfg, world_size: int, *, gpus_per_node: int) -> int:
     verdict = "fits" if est.fits else "does NOT fit"
     print(f"dry run: {verdict}: {est.memory.total / GIB:.1f} GiB per rank of {gpu.memory_bytes / GIB:.0f} GiB; "
           f"checked in {seconds:.1f} s")
+    if not est.fits:
+        print(f"dry run: {FIT_HINT}")
     return 0 if est.fits else 1
+
+
+FIT_HINT = ("try activation_checkpoint.mode = \"full\", a smaller training.local_batch_size, more tp or pp "
+            "(./scripts/plan.py ranks layouts)")
 
 
 def fit_message(cfg, world_size: int, *, gpus_per_node: int, gpu, gpu_bytes: int, gpu_name: str) -> str | None:
@@ -109,8 +115,7 @@ def fit_message(cfg, world_size: int, *, gpus_per_node: int, gpu, gpu_bytes: int
     return (f"the planner predicts {m.total / GIB:.1f} GiB per GPU (params {m.params / GIB:.1f}, grads "
             f"{m.grads / GIB:.1f}, optimizer {m.optimizer / GIB:.1f}, activations {m.activations / GIB:.1f}, FSDP "
             f"buffers {m.transient / GIB:.1f}) but {gpu_name} has {gpu_bytes / GIB:.1f} GiB: expect out-of-memory; "
-            "try activation_checkpoint.mode = \"full\", a smaller training.local_batch_size, more tp or pp "
-            "(./scripts/plan.py ranks layouts)")
+            f"{FIT_HINT}")
 
 
 def fit_warning(cfg, world_size: int, *, gpus_per_node: int) -> str | None:

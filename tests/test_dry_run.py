@@ -45,3 +45,10 @@ def test_fit_warning_names_the_predicted_bytes():
     assert message and "optimizer 59.8" in message and "has 80.0 GiB" in message, message
     small = load_config(["--job.config_file", os.path.join(REPO, "train_configs", "debug_model.toml")])
     assert fit_message(small, 2, gpus_per_node=2, gpu=gpu, gpu_bytes=80 * GIB, gpu_name="x") is None
+
+
+def test_dry_run_that_does_not_fit_exits_1_with_a_hint():
+    result = _launch("--job.config_file", "train_configs/llama3_8b.toml", "--dry_run", NGPU="1")
+    assert result.returncode == 1, (result.stdout[-2000:], result.stderr[-2000:])
+    last = result.stdout.strip().splitlines()[-2:]
+    assert last[0].startswith("dry run: does NOT fit") and "activation_checkpoint.mode" in last[1], last
