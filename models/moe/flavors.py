@@ -6,6 +6,8 @@ pinned by tests/test_moe.py::test_flavor_parameter_counts.
 
 from __future__ import annotations
 
+import dataclasses
+
 from models.moe.args import MoEModelArgs
 
 __all__ = ["moe_flavors"]
@@ -47,44 +49,6 @@ moe_flavors: dict[str, MoEModelArgs] = {
         num_experts=8,
         top_k=2,
         moe_inter_dim=128,
-        score_func="softmax",
-        route_norm=True,
-        aux_loss_coeff=0.01,
-    ),
-    # The test suite's sizes: debugmodel's and debugmodel_mixtral's routing at a quarter of the
-    # width (dim 64, experts of width 32), so a multi-process step costs a fraction of theirs.
-    "debugmodel_tiny": MoEModelArgs(
-        dim=64,
-        n_layers=4,
-        n_heads=8,
-        n_kv_heads=4,
-        vocab_size=4096,
-        multiple_of=64,
-        rope_theta=500000.0,
-        max_seq_len=2048,
-        num_experts=8,
-        top_k=2,
-        moe_inter_dim=32,
-        n_shared_experts=1,
-        n_dense_layers=1,
-        score_func="sigmoid",
-        route_norm=True,
-        route_scale=1.0,
-        load_balance_coeff=1e-3,
-        aux_loss_coeff=0.0,
-    ),
-    "debugmodel_mixtral_tiny": MoEModelArgs(
-        dim=64,
-        n_layers=4,
-        n_heads=8,
-        n_kv_heads=4,
-        vocab_size=4096,
-        multiple_of=64,
-        rope_theta=500000.0,
-        max_seq_len=2048,
-        num_experts=8,
-        top_k=2,
-        moe_inter_dim=32,
         score_func="softmax",
         route_norm=True,
         aux_loss_coeff=0.01,
@@ -132,3 +96,8 @@ moe_flavors: dict[str, MoEModelArgs] = {
         aux_loss_coeff=0.02,
     ),
 }
+
+# The test suite's sizes: debugmodel's and debugmodel_mixtral's routing at a quarter of the width (dim
+# 64, experts of width 32), so a multi-process step costs a fraction of theirs.
+for _name in ("debugmodel", "debugmodel_mixtral"):
+    moe_flavors[f"{_name}_tiny"] = dataclasses.replace(moe_flavors[_name], dim=64, multiple_of=64, moe_inter_dim=32)
