@@ -136,11 +136,18 @@ def saved_per_block(layout) -> float:
 
 def reduction_bytes(layout, coords: dict | None = None) -> int:
     """Peak non-state bytes of the rank at ``coords`` during backward's gradient reductions (module
-    docstring), bytes; 0 without FSDP / HSDP / DDP."""
+    docstring): the largest of :func:`reduction_events`, bytes; 0 without FSDP / HSDP / DDP."""
+    return max(reduction_events(layout, coords).values(), default=0)
+
+
+def reduction_events(layout, coords: dict | None = None) -> dict[str, int]:
+    """Non-state bytes of the rank at ``coords`` at each unit's gradient reduction (the largest of
+    its t1..t4 + base, module docstring), by unit name in backward order; {} without FSDP / HSDP /
+    DDP."""
     coords = coords or {}
     units = rank_units(layout, coords)
     if not units:
-        return 0
+        return {}
     pb, rb = layout.param_bytes, layout.reduce_bytes
     ddp = layout.fsdp == 1
     deferred = layout.pp > 1 or (layout.grad_accum > 1 and not layout.cfg.parallelism.grad_sync_each_microbatch)
@@ -148,7 +155,8 @@ def reduction_bytes(layout, coords: dict | None = None) -> int:
     grad_bytes = rb if deferred else pb
     saved = 0.0 if layout.pp > 1 else saved_per_block(layout)
     pending = set(units)  # units not reduced yet
-    walk = {"held": 0, "prev_input": 0, "peak": 0}
+    walk = {"held": 0, "prev_input": 0}
+    events: dict[str, int] = {}
 
     def base(gathered: tuple[str, ...]) -> int:
         total = walk["held"]
@@ -166,7 +174,7 @@ def reduction_bytes(layout, coords: dict | None = None) -> int:
         u = units[name]
         pending.discard(name)
         here = base(gathered) + int(activations) + unit_reduce_bytes(u, layout, walk["prev_input"], grad_bytes)
-        walk["peak"] = max(walk["peak"], here)
+        events[name] = here
         walk["prev_input"] = u.padded * rb
         if holds_all_reduce:
             walk["held"] += u.padded // u.k * rb
@@ -182,4 +190,4 @@ def reduction_bytes(layout, coords: dict | None = None) -> int:
                 reduce(name, position * saved, prefetched)
     if "root" in units:
         reduce("root", 0)
-    return walk["peak"]
+    return events
