@@ -33,8 +33,9 @@ Transient data-parallel buffers, the ones alive at the activation peak (the loss
 it: under FSDP2 (torch ``fully_shard``: each unit all-gathers its parameters in the compute dtype
 before use and frees them after, prefetching the next unit in backward; the root is not resharded
 after forward) the root unit and the next block, gathered; with one gradient reduction per step
-(``grad_sync_each_microbatch = false``) every unit stays gathered and keeps its unsharded gradient
-in the reduce dtype for the whole step (parallelisms/data_parallel.py ``sync_on_last_microbatch``);
+(``grad_sync_each_microbatch = false``, parallelisms/data_parallel.py ``sync_on_last_microbatch``)
+and under pipeline parallel (torch's stage reduces only after the last microbatch's backward) every
+unit stays gathered and keeps its unsharded gradient in the reduce dtype for the whole step;
 under DDP (torch's FSDP2-based ``replicate``) every unit's unsharded parameters, a second copy of
 the parameters in the compute dtype.
 
@@ -190,9 +191,11 @@ def transient_bytes(layout, coords: dict | None = None) -> int:
     FSDP2 (torch ``fully_shard``, torch/distributed/fsdp/_fully_shard): the unit in use and the next
     one (backward prefetch) all-gathered in the compute dtype; the root unit is not resharded after
     forward, so at the loss it and the last block are the two gathered units. With one gradient
-    reduction per step every unit stays gathered and keeps its unsharded gradient (reduce dtype)
-    from the first microbatch on. DDP (torch ``replicate``, FSDP2's code on a size-1 shard) keeps
-    every unit's unsharded parameters for the whole step (parallelisms/data_parallel.py).
+    reduction per step, and under pipeline parallel (whose stage runs every backward without FSDP's
+    reduction, torch/distributed/pipelining/stage.py ``backward_maybe_with_nosync``), every unit
+    stays gathered and keeps its unsharded gradient (reduce dtype) from the first microbatch on. DDP
+    (torch ``replicate``, FSDP2's code on a size-1 shard) keeps every unit's unsharded parameters for
+    the whole step (parallelisms/data_parallel.py).
     """
     ddp = layout.fsdp == 1 and layout.dp_replicate > 1
     units: dict[str, int] = {}
@@ -202,10 +205,10 @@ def transient_bytes(layout, coords: dict | None = None) -> int:
     if not units:
         return 0
     pb, rb = layout.param_bytes, layout.reduce_bytes
+    if layout.pp > 1 or (layout.grad_accum > 1 and not layout.cfg.parallelism.grad_sync_each_microbatch):
+        return sum(units.values()) * (pb + rb)
     if ddp:
         return sum(units.values()) * pb
-    if layout.grad_accum > 1 and not layout.cfg.parallelism.grad_sync_each_microbatch:
-        return sum(units.values()) * (pb + rb)
     largest = sorted(units.values(), reverse=True)
     return (largest[0] + (largest[1] if len(largest) > 1 else 0)) * pb
 

@@ -33,13 +33,14 @@ its reduction holds at its successive moments:
 and beside it (``base``):
 - the saved activations of the blocks not yet back-propagated, per block as in memory.py, of one
   microbatch (a step's last reduction follows its last microbatch's backward); none under pipeline
-  parallel, whose schedule reduces every unit after the last backward (torch pipelining
-  ``perform_reduce_grad``);
+  parallel, whose stage runs every backward without FSDP's reduction and then reduces every unit
+  (torch/distributed/pipelining/stage.py ``backward_maybe_with_nosync``, ``perform_reduce_grad``)
+  in FSDP's state order: the stage's root first, then its blocks;
 - the root unit gathered (from the loss to its own reduction, the end of backward), the output head's
   and final norm's unsharded gradients (computed at the loss, reduced with the root), the next block
   prefetched for backward (its all-gather output) and, at a MoE block's experts reduction, the block;
 - with one gradient reduction per step (``grad_sync_each_microbatch = false``) and under pipeline
-  parallel (its stage defers FSDP's reduction to the last microbatch): every unit not yet reduced,
+  parallel (its stage defers FSDP's reduction to after the last microbatch): every unit not yet reduced,
   gathered and with its accumulated unsharded gradient (reduce dtype); under DDP every unit not yet
   reduced, gathered (``replicate`` reshards each after its reduction);
 - under HSDP and DDP when the step accumulates (a sharded gradient exists, so the all-reduced output
@@ -153,7 +154,7 @@ def reduction_events(layout, coords: dict | None = None) -> dict[str, int]:
     deferred = layout.pp > 1 or (layout.grad_accum > 1 and not layout.cfg.parallelism.grad_sync_each_microbatch)
     holds_all_reduce = layout.dp_replicate > 1 and layout.grad_accum > 1 and not deferred
     grad_bytes = rb if deferred else pb
-    saved = 0.0 if layout.pp > 1 else saved_per_block(layout)
+    saved = saved_per_block(layout)
     pending = set(units)  # units not reduced yet
     walk = {"held": 0, "prev_input": 0}
     events: dict[str, int] = {}
@@ -179,7 +180,14 @@ def reduction_events(layout, coords: dict | None = None) -> dict[str, int]:
         if holds_all_reduce:
             walk["held"] += u.padded // u.k * rb
 
-    for layers, _, _ in reversed(layout.stages_of(coords.get("pp", 0))):
+    stages = layout.stages_of(coords.get("pp", 0))
+    if layout.pp > 1:  # reduced after the last backward, in FSDP's state order: each root, then its blocks
+        for name in ["root"] + [f"layers.{layer}{part}" for layers, _, _ in stages for layer in layers
+                                for part in ("", ".experts")]:
+            if name in units:
+                reduce(name, 0)
+        return events
+    for layers, _, _ in reversed(stages):
         layers = tuple(range(layout.model_args.n_layers)) if layers is None else layers
         for position in reversed(range(len(layers))):
             name = f"layers.{layers[position]}"
