@@ -39,12 +39,17 @@ unit stays gathered and keeps its unsharded gradient in the reduce dtype for the
 under DDP (torch's FSDP2-based ``replicate``) every unit's unsharded parameters, a second copy of
 the parameters in the compute dtype.
 
-The step's peak (``peak_nonstate_bytes``) is the larger of two phases, never their sum: the loss
-phase above (activations + transient) and the gradient-reduction phase of backward
-(engine/planner/reduction.py: each unit's unsharded gradients and reduce-scatter buffers, HSDP / DDP
-all-reduce buffers, the root unit gathered with the output head's gradients, MoE experts' reduction
-inside their block). With many tokens per microbatch the loss wins; with one sequence per microbatch
-the reduction does (its buffers scale with the parameters). tests/test_planner_runs.py checks the
+The step's peak (``peak_nonstate_bytes``) is the larger of two phases, never their sum:
+
+    peak_nonstate = max(activations + transient, reduction)      total = state + peak_nonstate
+
+the loss phase above and the gradient-reduction phase of backward (engine/planner/reduction.py: each
+unit's unsharded gradients and reduce-scatter buffers, HSDP / DDP all-reduce buffers, the root unit
+gathered with the output head's gradients, MoE experts' reduction inside their block; each term read
+from how torch's FSDP2 allocates, torch/distributed/fsdp/_fully_shard, the ZeRO-3 / PyTorch FSDP
+scheme of Rajbhandari et al. 2020, arXiv 1910.02054, and Zhao et al. 2023, arXiv 2304.11277). With
+many tokens per microbatch the loss wins; with one sequence per microbatch the reduction does (its
+buffers scale with the parameters). tests/test_planner_runs.py checks the
 max of both against the step's measured non-state peak of CPU runs, and the reduction phase alone
 against the peak measured inside FSDP's ``post_backward``.
 """
