@@ -72,7 +72,8 @@ def dry_run(cfg, world_size: int, *, gpus_per_node: int) -> int:
     real = busiest.state
     formula = state_bytes(layout, busiest.coords)
     mem = est.memory
-    est.memory = MemoryEstimate(real.params, real.grads, real.optimizer, mem.activations, mem.transient)
+    est.memory = MemoryEstimate(real.params, real.grads, real.optimizer, mem.activations, mem.transient,
+                                 mem.reduction)
     est.fits = est.memory.total <= gpu.memory_bytes
     seconds = time.perf_counter() - start
     c = cfg
@@ -114,8 +115,8 @@ def fit_message(cfg, world_size: int, *, gpus_per_node: int, gpu, gpu_bytes: int
         return None
     return (f"the planner predicts {m.total / GIB:.1f} GiB per GPU (params {m.params / GIB:.1f}, grads "
             f"{m.grads / GIB:.1f}, optimizer {m.optimizer / GIB:.1f}, activations {m.activations / GIB:.1f}, FSDP "
-            f"buffers {m.transient / GIB:.1f}) but {gpu_name} has {gpu_bytes / GIB:.1f} GiB: expect out-of-memory; "
-            f"{FIT_HINT}")
+            f"buffers {m.transient / GIB:.1f}; gradient reduction {m.reduction / GIB:.1f}) but {gpu_name} has "
+            f"{gpu_bytes / GIB:.1f} GiB: expect out-of-memory; {FIT_HINT}")
 
 
 def fit_warning(cfg, world_size: int, *, gpus_per_node: int) -> str | None:

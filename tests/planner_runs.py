@@ -6,7 +6,8 @@ each layout in turn, builds a Trainer, trains one warm-up step and then measures
   of every optimizer state tensor after it;
 - communication: every collective of the step (parallelisms/comm_counter.py ``CommCounter``),
   attributed to mesh dims by ``group_names_by_mesh_dim``; payload and ring ("wire") bytes per dim;
-- peak memory of the same step beyond the state (:func:`peak_tracker`).
+- peak memory of the same step beyond the state (:func:`peak_tracker`), over the whole step and
+  inside the gradient reductions of backward.
 """
 
 from __future__ import annotations
@@ -53,7 +54,11 @@ def peak_tracker(trainer):
       buffers). FSDP2 / ``replicate`` register the all-gathered (unsharded) parameters as the
       module's parameters, so ``MemTracker`` counts them as PARAM, and their accumulated gradients as
       GRAD; reduce-scatter / all-reduce buffers are allocated in backward and count as TEMP. This is
-      what the planner's ``activations + transient`` predicts.
+      what the planner's ``peak_nonstate_bytes`` predicts;
+    - ``reduction_peak``: the same sum, only while an FSDP2 / ``replicate`` parameter group runs its
+      ``post_backward`` (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py: reshard, gradient
+      copy-in, reduce-scatter, all-reduce): what engine/planner/reduction.py predicts. The method is
+      wrapped while the tracker is entered (the ranks are forked test processes).
 
     ``MemTracker`` refuses a second forward of a root module (accumulation and pipeline
     microbatches call it several times); those calls are let through, the peaks are still tracked.
@@ -66,9 +71,13 @@ def peak_tracker(trainer):
     # its bytes are known in advance, so each allocation only checks which gradients exist.
     grad_bytes = [(p, _local_bytes([p])) for p in params]
 
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
     class _RepeatedCalls(MemTracker):
         activation_peak = 0
         transient_peak = 0
+        reduction_peak = 0
+        in_reduction = False
 
         def _update_peak_stats(self, peak_state) -> None:
             super()._update_peak_stats(peak_state)
@@ -79,6 +88,27 @@ def peak_tracker(trainer):
                 state = held_params + sum(size for p, size in grad_bytes if p.grad is not None)
                 other = named.get("PARAM", 0) + named.get("GRAD", 0) - state
                 self.transient_peak = max(self.transient_peak, live + other)
+                if self.in_reduction:
+                    self.reduction_peak = max(self.reduction_peak, live + other)
+
+        def __enter__(self):
+            original = FSDPParamGroup.post_backward
+            tracker = self
+
+            def post_backward(group, *args, **kwargs):
+                tracker.in_reduction = True
+                try:
+                    return original(group, *args, **kwargs)
+                finally:
+                    tracker.in_reduction = False
+
+            self._original_post_backward = original
+            FSDPParamGroup.post_backward = post_backward
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            FSDPParamGroup.post_backward = self._original_post_backward
+            return super().__exit__(*exc)
 
         def _pre_fw_hook(self, module, inputs):
             try:
@@ -93,7 +123,8 @@ def peak_tracker(trainer):
 
 def measure_one(argv: list[str]) -> dict:
     """One layout in this rank: {rank, coords, params, grads, optimizer, comm: {dim: {payload, wire}},
-    activations, activations_transient} (the last two: :func:`peak_tracker`, over the same step)."""
+    activations, activations_transient, reduction} (the last three: :func:`peak_tracker`, over the same
+    step)."""
     import torch.distributed as dist
 
     from engine.config import load_config
@@ -135,7 +166,8 @@ def measure_one(argv: list[str]) -> dict:
         return {"rank": dist.get_rank() if dist.is_initialized() else 0, "coords": coords, "aliases": aliases,
                 "params": _local_bytes(params), "grads": grads[0], "optimizer": _local_bytes(optimizer_tensors),
                 "comm": by_dim,
-                "activations": tracker.activation_peak, "activations_transient": tracker.transient_peak}
+                "activations": tracker.activation_peak, "activations_transient": tracker.transient_peak,
+                "reduction": tracker.reduction_peak}
     finally:
         trainer.close()
 

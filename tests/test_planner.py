@@ -91,7 +91,12 @@ def test_plan_script_json(tmp_path):
     record = data["layouts"][0]
     assert record["fits"] and set(record) >= {"degrees", "memory_bytes_per_rank", "comm_bytes_per_step_per_rank",
                                               "bubble", "step_time_s", "mfu", "fits"}
-    assert set(record["memory_bytes_per_rank"]) >= {"params", "grads", "optimizer", "activations", "total"}
+    memory = record["memory_bytes_per_rank"]
+    assert set(memory) >= {"params", "grads", "optimizer", "activations", "transient", "reduction",
+                           "peak_nonstate", "total"}
+    # The loss and gradient-reduction phases never coexist: the total takes the larger, not the sum.
+    assert memory["peak_nonstate"] == max(memory["activations"] + memory["transient"], memory["reduction"])
+    assert memory["total"] == memory["params"] + memory["grads"] + memory["optimizer"] + memory["peak_nonstate"]
     assert 0 < record["mfu"] < 1
 
 

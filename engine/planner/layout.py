@@ -26,6 +26,8 @@ class Layout:
         seq_len: tokens per sequence; local_batch_size: sequences per rank per accumulation step;
         grad_accum: accumulation steps A; global_batch_size: sequences per optimizer step.
         pp_plans: one ``PipelinePlan`` per pp rank (empty without pipeline parallel).
+        device_type: "cuda" or "cpu", the device the layout is planned for (it picks the collective
+            backend, :attr:`comm_backend`).
     """
 
     cfg: object
@@ -42,6 +44,7 @@ class Layout:
     grad_accum: int
     global_batch_size: int
     pp_plans: tuple
+    device_type: str = "cuda"
 
     @classmethod
     def from_config(cls, cfg, world_size: int, device_type: str = "cuda") -> "Layout":
@@ -60,7 +63,8 @@ class Layout:
             plans = tuple(plan_model_pipeline(cfg.parallelism, setup.model_args, local_batch_size=t.local_batch_size,
                                               pp_rank=r) for r in range(d.pp))
         return cls(cfg, world_size, d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp, d.ep, setup.model_args,
-                   t.seq_len, t.local_batch_size, setup.grad_accum_steps, setup.global_batch_size, plans)
+                   t.seq_len, t.local_batch_size, setup.grad_accum_steps, setup.global_batch_size, plans,
+                   device_type)
 
     # ------------------------------------------------------------------ derived settings
     @property
@@ -88,6 +92,15 @@ class Layout:
     def reduce_bytes(self) -> int:
         """Bytes per element of gradient reduction (training.mixed_precision_reduce)."""
         return DTYPE_BYTES[self.cfg.training.mixed_precision_reduce]
+
+    @property
+    def comm_backend(self) -> str:
+        """The collective backend as engine/distributed.py ``resolve_backend`` picks it: ``comm.backend``,
+        or for "auto" NCCL on CUDA and gloo on the CPU."""
+        setting = self.cfg.comm.backend
+        if setting == "auto":
+            return "nccl" if self.device_type == "cuda" else "gloo"
+        return setting
 
     @property
     def sequence_parallel(self) -> bool:

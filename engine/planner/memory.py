@@ -33,14 +33,25 @@ Transient data-parallel buffers, the ones alive at the activation peak (the loss
 it: under FSDP2 (torch ``fully_shard``: each unit all-gathers its parameters in the compute dtype
 before use and frees them after, prefetching the next unit in backward; the root is not resharded
 after forward) the root unit and the next block, gathered; with one gradient reduction per step
-(``grad_sync_each_microbatch = false``) every unit stays gathered and keeps its unsharded gradient
-in the reduce dtype for the whole step (parallelisms/data_parallel.py ``sync_on_last_microbatch``);
+(``grad_sync_each_microbatch = false``, parallelisms/data_parallel.py ``sync_on_last_microbatch``)
+and under pipeline parallel (torch's stage reduces only after the last microbatch's backward) every
+unit stays gathered and keeps its unsharded gradient in the reduce dtype for the whole step;
 under DDP (torch's FSDP2-based ``replicate``) every unit's unsharded parameters, a second copy of
-the parameters in the compute dtype. A unit's unsharded gradient and its reduce-scatter buffers live
-only in that unit's backward, after the loss's peak: they are not added. tests/test_planner_runs.py
-checks activations + transient against the non-state peak of CPU runs; where the activations are so
-small that the end-of-backward reduction is the step's peak (one sequence per microbatch), the
-planner is low (recorded there).
+the parameters in the compute dtype.
+
+The step's peak (``peak_nonstate_bytes``) is the larger of two phases, never their sum:
+
+    peak_nonstate = max(activations + transient, reduction)      total = state + peak_nonstate
+
+the loss phase above and the gradient-reduction phase of backward (engine/planner/reduction.py: each
+unit's unsharded gradients and reduce-scatter buffers, HSDP / DDP all-reduce buffers, the root unit
+gathered with the output head's gradients, MoE experts' reduction inside their block; each term read
+from how torch's FSDP2 allocates, torch/distributed/fsdp/_fully_shard, the ZeRO-3 / PyTorch FSDP
+scheme of Rajbhandari et al. 2020, arXiv 1910.02054, and Zhao et al. 2023, arXiv 2304.11277). With
+many tokens per microbatch the loss wins; with one sequence per microbatch the reduction does (its
+buffers scale with the parameters). tests/test_planner_runs.py checks the
+max of both against the step's measured non-state peak of CPU runs, and the reduction phase alone
+against the peak measured inside FSDP's ``post_backward``.
 """
 
 from __future__ import annotations
@@ -53,24 +64,33 @@ from engine.planner.real_plan import STEP_TENSOR_BYTES, StateBytes
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes on the busiest rank: params, grads, optimizer, activations (peak), transient
-    (FSDP/DDP buffers alive at the activation peak), total = the sum."""
+    """Bytes on the busiest rank: params, grads, optimizer (the state); activations (peak) and
+    transient (FSDP/DDP buffers alive at the activation peak): the loss phase; reduction: the
+    non-state bytes of the gradient-reduction phase (engine/planner/reduction.py).
+    total = state + the larger phase (the two phases never coexist)."""
 
     params: int
     grads: int
     optimizer: int
     activations: int
     transient: int
+    reduction: int = 0
+
+    @property
+    def peak_nonstate(self) -> int:
+        """The larger of the loss phase (activations + transient) and the reduction phase, bytes."""
+        return max(self.activations + self.transient, self.reduction)
 
     @property
     def total(self) -> int:
-        """The sum of every term, bytes."""
-        return self.params + self.grads + self.optimizer + self.activations + self.transient
+        """State plus :attr:`peak_nonstate`, bytes."""
+        return self.params + self.grads + self.optimizer + self.peak_nonstate
 
     def as_dict(self) -> dict[str, int]:
-        """The JSON form: every term and the total, bytes."""
+        """The JSON form: every term, the larger phase (peak_nonstate) and the total, bytes."""
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
-                "activations": self.activations, "transient": self.transient, "total": self.total}
+                "activations": self.activations, "transient": self.transient, "reduction": self.reduction,
+                "peak_nonstate": self.peak_nonstate, "total": self.total}
 
 
 def rank_params(layout, coords: dict | None = None):
@@ -176,9 +196,11 @@ def transient_bytes(layout, coords: dict | None = None) -> int:
     FSDP2 (torch ``fully_shard``, torch/distributed/fsdp/_fully_shard): the unit in use and the next
     one (backward prefetch) all-gathered in the compute dtype; the root unit is not resharded after
     forward, so at the loss it and the last block are the two gathered units. With one gradient
-    reduction per step every unit stays gathered and keeps its unsharded gradient (reduce dtype)
-    from the first microbatch on. DDP (torch ``replicate``, FSDP2's code on a size-1 shard) keeps
-    every unit's unsharded parameters for the whole step (parallelisms/data_parallel.py).
+    reduction per step, and under pipeline parallel (whose stage runs every backward without FSDP's
+    reduction, torch/distributed/pipelining/stage.py ``backward_maybe_with_nosync``), every unit
+    stays gathered and keeps its unsharded gradient (reduce dtype) from the first microbatch on. DDP
+    (torch ``replicate``, FSDP2's code on a size-1 shard) keeps every unit's unsharded parameters for
+    the whole step (parallelisms/data_parallel.py).
     """
     ddp = layout.fsdp == 1 and layout.dp_replicate > 1
     units: dict[str, int] = {}
@@ -188,23 +210,36 @@ def transient_bytes(layout, coords: dict | None = None) -> int:
     if not units:
         return 0
     pb, rb = layout.param_bytes, layout.reduce_bytes
+    if layout.pp > 1 or (layout.grad_accum > 1 and not layout.cfg.parallelism.grad_sync_each_microbatch):
+        return sum(units.values()) * (pb + rb)
     if ddp:
         return sum(units.values()) * pb
-    if layout.grad_accum > 1 and not layout.cfg.parallelism.grad_sync_each_microbatch:
-        return sum(units.values()) * (pb + rb)
     largest = sorted(units.values(), reverse=True)
     return (largest[0] + (largest[1] if len(largest) > 1 else 0)) * pb
+
+
+def peak_nonstate_bytes(layout, coords: dict | None = None) -> int:
+    """The step's peak of non-state bytes (everything but parameter shards, their gradients and
+    optimizer state) of the rank at ``coords``: the larger of the loss phase (activations +
+    transient) and the gradient-reduction phase (engine/planner/reduction.py), bytes."""
+    from engine.planner.reduction import reduction_bytes  # reduction.py builds on this module
+
+    coords = coords or {}
+    loss_phase = activation_bytes(layout, coords.get("pp", 0)) + transient_bytes(layout, coords)
+    return max(loss_phase, reduction_bytes(layout, coords))
 
 
 def estimate_memory(layout) -> MemoryEstimate:
     """:class:`MemoryEstimate` of the busiest rank: the pp rank with the largest total (coordinate 0
     on the other dims, whose shards are the largest under ``torch.chunk``)."""
+    from engine.planner.reduction import reduction_bytes  # reduction.py builds on this module
+
     best = None
     for pp_rank in range(layout.pp):
         coords = {"pp": pp_rank}
         state = state_bytes(layout, coords)
         est = MemoryEstimate(state.params, state.grads, state.optimizer, activation_bytes(layout, pp_rank),
-                             transient_bytes(layout, coords))
+                             transient_bytes(layout, coords), reduction_bytes(layout, coords))
         if best is None or est.total > best.total:
             best = est
     return best

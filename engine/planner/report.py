@@ -16,10 +16,12 @@ def degrees_text(degrees: dict) -> str:
 
 
 def table(records: list[dict], limit: int = 15) -> str:
-    """One line per layout record (``LayoutEstimate.as_dict()``): degrees, AC, batch, memory (GiB),
-    communication per dim (GB of wire bytes per step), bubble, step time, MFU, fits."""
+    """One line per layout record (``LayoutEstimate.as_dict()``): degrees, AC, batch, memory (GiB: the
+    state, activations at the loss, the gradient-reduction phase's non-state bytes, and the total =
+    state + the larger of the loss phase and the reduction phase), communication per dim (GB of wire
+    bytes per step), bubble, step time, MFU, fits."""
     head = (f"{'#':>2} {'pp x dpr x dps x cp x tp':<24} {'AC':<12} {'lbs/A/M':<9} "
-            f"{'param':>6} {'grad':>6} {'optim':>6} {'act':>6} {'total':>6} {'GPU':>5} "
+            f"{'param':>6} {'grad':>6} {'optim':>6} {'act':>6} {'reduce':>6} {'total':>6} {'GPU':>5} "
             f"{'bubble':>6} {'step s':>7} {'MFU':>5} fits  comm GB/step/rank (wire)")
     lines = [head]
     for i, r in enumerate(records[:limit], 1):
@@ -30,7 +32,8 @@ def table(records: list[dict], limit: int = 15) -> str:
             f"{i:>2} {degrees_text(r['degrees']):<24} {r['activation_checkpoint']:<12} "
             f"{r['local_batch_size']}/{r['grad_accum']}/{r['pp_microbatches']:<5} "
             f"{m['params'] / GIB:6.1f} {m['grads'] / GIB:6.1f} {m['optimizer'] / GIB:6.1f} "
-            f"{m['activations'] / GIB:6.1f} {m['total'] / GIB:6.1f} {r['gpu_memory_bytes'] / GIB:5.0f} "
+            f"{m['activations'] / GIB:6.1f} {m['reduction'] / GIB:6.1f} {m['total'] / GIB:6.1f} "
+            f"{r['gpu_memory_bytes'] / GIB:5.0f} "
             f"{r['bubble']:6.3f} {r['step_time_s']:7.2f} {100 * r['mfu']:4.1f}% {'yes ' if r['fits'] else 'NO  '} {comm}"
         )
     return "\n".join(lines)

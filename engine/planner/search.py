@@ -147,9 +147,11 @@ def plan(cfg, world_size: int, gpu, gpus_per_node: int, efficiency: float) -> Pl
             row = r
             break
         if smallest is not None:
+            m = smallest.memory
             notes.append(f"row {r} ({ROWS[r]}): its smallest layout {_describe(smallest)} needs "
-                         f"{smallest.memory.total / GIB:.1f} GiB (state {(smallest.memory.params + smallest.memory.grads + smallest.memory.optimizer) / GIB:.1f}, "
-                         f"activations {smallest.memory.activations / GIB:.1f}) > {cap:.0f} GiB")
+                         f"{m.total / GIB:.1f} GiB (state {(m.params + m.grads + m.optimizer) / GIB:.1f}, "
+                         f"activations {m.activations / GIB:.1f}, gradient reduction {m.reduction / GIB:.1f}) "
+                         f"> {cap:.0f} GiB")
         else:
             notes.append(f"row {r} ({ROWS[r]}): no valid layout on {world_size} GPUs")
     if row == 0:
