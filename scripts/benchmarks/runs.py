@@ -161,8 +161,11 @@ def engine_vs_bare_loop(argv: list[str], rounds: int, steps: int, warmup: int) -
 
 
 def clip_under_layout(argv: list[str], reps: int) -> dict:
-    """Seconds of the engine's clip_grad_norm_ on this layout's gradients (after one forward/backward)."""
+    """Seconds of the engine's clip_grad_norm_ on this layout's gradients (after one forward/backward),
+    and, alternating with it in the same process, of ``torch.nn.utils.clip_grad_norm_`` on plain
+    full-size copies of the same gradients: the one-process clip, measured side by side."""
     import torch
+    from torch.distributed.tensor import DTensor
 
     from parallelisms.grad_norm import clip_grad_norm_
 
@@ -173,12 +176,21 @@ def clip_under_layout(argv: list[str], reps: int) -> dict:
         tokens = trainer._dp_sum(torch.tensor(float(microbatches[0][1].numel())))
         trainer.runner.step(microbatches, tokens)
         params = [p for part in trainer.model_parts for p in part.parameters()]
-        times = []
+        clip_grad_norm_(params, 1e9, pp_group=trainer.runner.pp_group)  # reduces pending Partial gradients
+        full = []
+        for p in params:
+            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.detach().clone()
+            holder = torch.zeros_like(grad)
+            holder.grad = grad
+            full.append(holder)
+        ours, torchs = [], []
         for _ in range(reps):
-            start = time.perf_counter()
-            clip_grad_norm_(params, 1e9, pp_group=trainer.runner.pp_group)
-            times.append(time.perf_counter() - start)
-        return {"clip_s": times}
+            for fn, sink in ((lambda: clip_grad_norm_(params, 1e9, pp_group=trainer.runner.pp_group), ours),
+                             (lambda: torch.nn.utils.clip_grad_norm_(full, 1e9), torchs)):
+                start = time.perf_counter()
+                fn()
+                sink.append(time.perf_counter() - start)
+        return {"clip_s": ours, "torch_full_clip_s": torchs}
     finally:
         trainer.close()
 
