@@ -128,30 +128,34 @@ _COMPUTED_KEYS = (
 )
 
 
-def _drop_records_after(path: str, step: int) -> None:
-    """Rewrite the JSON-lines file ``path`` without the records whose ``step`` is above ``step``
-    (atomically: a temporary file replaces it). A missing file or nothing to drop leaves it as is;
-    a torn last line (a crash mid-write) is dropped too."""
+def _drop_records_from(path: str, step: int) -> list[int]:
+    """Rewrite the JSON-lines file ``path`` without the records whose ``step`` is ``step`` or later
+    (atomically: a temporary file replaces it); a torn last line (a crash mid-write) goes too.
+    Returns the steps of the records dropped. A missing file, or nothing to drop, leaves it as is."""
     if not os.path.exists(path):
-        return
+        return []
     with open(path, encoding="utf-8") as file:
         lines = file.readlines()
-    kept = []
+    kept, dropped, torn = [], [], False
     for line in lines:
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
+            torn = True
             continue
-        if int(record.get("step", 0)) <= step:
+        if int(record.get("step", 0)) >= step:
+            dropped.append(int(record["step"]))
+        else:
             kept.append(line if line.endswith("\n") else line + "\n")
-    if len(kept) == len(lines) and all(a == b for a, b in zip(kept, lines)):
-        return
+    if not dropped and not torn:
+        return []
     tmp = f"{path}.tmp"
     with open(tmp, "w", encoding="utf-8") as file:
         file.writelines(kept)
         file.flush()
         os.fsync(file.fileno())
     os.replace(tmp, path)
+    return dropped
 
 
 class MetricsLogger:
@@ -168,10 +172,12 @@ class MetricsLogger:
         device: the training device; selects the memory statistics and the peak-FLOPS lookup.
         devices_per_dp_rank: devices that process the same tokens of one data-parallel rank
             (cp * tp * pp); tokens/s/device = tokens of this rank / seconds / this number.
-        resumed_step: the step the run continues from (0 for a new run). Records of later steps,
-            left by an earlier launch of this folder that stopped after its last checkpoint, are
-            dropped from metrics.jsonl and purged from TensorBoard (``SummaryWriter(purge_step=)``,
-            torch.utils.tensorboard docs): the steps are trained again and each appears once.
+
+    Steps trained again: when the first record this logger writes is for step N, the records of
+    steps N and later that an earlier launch of the folder left (it stopped after its last
+    checkpoint, or the folder held another run) are dropped from metrics.jsonl, with a warning, and
+    purged from TensorBoard (``SummaryWriter(purge_step=N)``, torch.utils.tensorboard docs): each
+    step appears once. A launch that logs nothing changes nothing.
 
     Raises:
         ValueError: ``metrics.log_freq`` <= 0, ``devices_per_dp_rank`` < 1,
@@ -181,7 +187,6 @@ class MetricsLogger:
     def __init__(
         self, cfg, run_folder: str, *, rank: int, is_logging_rank: bool, flops_per_token: float,
         training_steps: int, device: torch.device | str = "cpu", devices_per_dp_rank: int = 1,
-        resumed_step: int = 0,
     ) -> None:
         if cfg.log_freq <= 0:
             raise ValueError(f"metrics.log_freq={cfg.log_freq} must be > 0 (log every N steps)")
@@ -207,18 +212,12 @@ class MetricsLogger:
 
         self._jsonl = None
         self._tb = None
+        self._closed = False
+        self._run_folder = run_folder
         if is_logging_rank:
             os.makedirs(run_folder, exist_ok=True)
-            path = os.path.join(run_folder, "metrics.jsonl")
-            _drop_records_after(path, resumed_step)
-            # Append: a resumed run continues the same file.
-            self._jsonl = open(path, "a", encoding="utf-8")
-            if cfg.enable_tensorboard:
-                # Imported lazily: tensorboard is slow to import and only the logging rank needs it.
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(log_dir=os.path.join(run_folder, cfg.save_tb_folder),
-                                         purge_step=resumed_step + 1)
+        # metrics.jsonl and the TensorBoard writer open at the first record (``_open``): only then
+        # is it known from which step this launch's records replace an earlier launch's.
 
     def _reset_interval(self) -> None:
         self._steps = 0
@@ -319,12 +318,31 @@ class MetricsLogger:
         parts.append(f"eta: {'n/a' if eta is None else format_duration(eta)}")
         return "  ".join(parts)
 
+    def _open(self, step: int) -> None:
+        """Open metrics.jsonl for appending and the TensorBoard writer, replacing an earlier launch's
+        records of ``step`` and later (class docstring)."""
+        path = os.path.join(self._run_folder, "metrics.jsonl")
+        dropped = _drop_records_from(path, step)
+        if dropped:
+            logger.warning("metrics.jsonl: dropped %d records of steps %d-%d that an earlier launch logged; "
+                           "this launch trains them again", len(dropped), min(dropped), max(dropped))
+        self._jsonl = open(path, "a", encoding="utf-8")
+        if self.cfg.enable_tensorboard:
+            # Imported lazily: tensorboard is slow to import and only the logging rank needs it.
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=os.path.join(self._run_folder, self.cfg.save_tb_folder),
+                                     purge_step=step)
+
     def _write(self, kind: str, record: dict[str, Any]) -> None:
         """Append one JSON line (flushed) and the numeric values as TensorBoard scalars."""
         step = record["step"]
-        if self._jsonl is not None:
-            self._jsonl.write(json.dumps(_json_safe({"kind": kind, **record})) + "\n")
-            self._jsonl.flush()
+        if self._closed:
+            return
+        if self._jsonl is None:
+            self._open(step)
+        self._jsonl.write(json.dumps(_json_safe({"kind": kind, **record})) + "\n")
+        self._jsonl.flush()
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step" and value is not None:
@@ -352,6 +370,7 @@ class MetricsLogger:
 
     def close(self) -> None:
         """Flush and close metrics.jsonl and the TensorBoard writer (safe to call twice)."""
+        self._closed = True
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None

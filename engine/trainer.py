@@ -102,7 +102,7 @@ class Trainer:
         self.stop_saved = False
         self.checkpointer = self._build_checkpointer()
         self.checkpointer.load()  # continue where an earlier run of this folder stopped, if it saved
-        self.metrics = self._build_metrics()  # after the load: it drops records of steps trained again
+        self.metrics = self._build_metrics()
 
     # ------------------------------------------------------------------ building
     def _build_context_parallel(self) -> ContextParallel | None:
@@ -185,7 +185,7 @@ class Trainer:
             self.cfg.metrics, self.run_folder, rank=self.dist.rank, is_logging_rank=self.dist.rank == 0,
             device=self.device, flops_per_token=self.flops_per_token, training_steps=self.cfg.training.steps,
             # The devices that share one dp rank's samples: tokens/s per device divides by them.
-            devices_per_dp_rank=dims.cp * dims.tp * dims.pp, resumed_step=self.step,
+            devices_per_dp_rank=dims.cp * dims.tp * dims.pp,
         )
 
     # ------------------------------------------------------------------ one step

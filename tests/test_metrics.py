@@ -158,9 +158,10 @@ def test_tensorboard_scalars_readable(tmp_path):
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 3.0), (2, 2.0)]
 
 
-def test_a_resumed_run_logs_each_step_once(tmp_path):
+def test_a_resumed_run_logs_each_step_once(tmp_path, caplog):
     """A launch that logged steps 1-4 but saved only step 2 (then crashed mid-line): the resumed
-    launch trains 3-4 again, and metrics.jsonl and TensorBoard hold each step once."""
+    launch trains 3-4 again, and metrics.jsonl and TensorBoard hold each step once. A launch that
+    logs nothing (e.g. a finished run started again) changes nothing."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     log = _logger(tmp_path)
@@ -170,10 +171,15 @@ def test_a_resumed_run_logs_each_step_once(tmp_path):
     log.close()
     with open(tmp_path / "metrics.jsonl", "a") as file:
         file.write('{"kind": "train", "step": 5, "lo')  # torn by a crash
-    log = _logger(tmp_path, resumed_step=2)
+    before = (tmp_path / "metrics.jsonl").read_text()
+    _logger(tmp_path).close()
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+    assert len(os.listdir(tmp_path / "tb")) == 1
+    log = _logger(tmp_path)
     for step in (3, 4):
         log.log(step, {"loss": 10.0 + step})
     log.close()
+    assert "dropped 3 records of steps 3-4 that an earlier launch logged" in caplog.text
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(x["kind"], x["step"], x["loss"]) for x in lines] == [
         ("train", 1, 1.0), ("train", 2, 2.0), ("train", 3, 13.0), ("train", 4, 14.0)]
@@ -193,7 +199,7 @@ def test_mfu_with_override_and_jsonl_appends(tmp_path, caplog):
     assert record["mfu_pct"] == pytest.approx(50.0)
     assert "mfu: 50.00%" in caplog.records[-1].getMessage()
     log.close()
-    log = _logger(tmp_path, cfg=cfg, resumed_step=2)  # a run resumed from step 2 appends
+    log = _logger(tmp_path, cfg=cfg)  # a resumed run appends
     log.log(3, {"loss": 1.0})  # nothing recorded: throughput is unknown, not an error
     assert "tok/s/dev: n/a" in caplog.records[-1].getMessage()
     log.close()
