@@ -60,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < a.efficiency <= 1:
         print(f"plan error: --efficiency {a.efficiency} must be in (0, 1]", file=sys.stderr)
         return 2
+    if a.json and os.path.isdir(a.json):
+        print(f"plan error: --json {a.json} is a folder; give a file path, e.g. {os.path.join(a.json, 'plan.json')}",
+              file=sys.stderr)
+        return 2
     folder = os.path.dirname(os.path.abspath(a.json)) if a.json else ""
     if a.json and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
         print(f"plan error: --json {a.json}: folder {folder} does not exist or is not writable; "

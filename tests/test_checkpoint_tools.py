@@ -197,3 +197,10 @@ def test_command_line_scripts(tmp_path):
     exported = run("convert_checkpoint.py", "to-torch", step0, pt)
     assert exported.returncode == 0 and "wrote 57 tensors" in exported.stdout, exported.stderr
     assert set(torch.load(pt, weights_only=True)) >= {"tok_embeddings.weight", "layers.5.feed_forward.w2.weight"}
+    again = run("convert_checkpoint.py", "to-torch", step0, pt)  # never overwrites
+    assert again.returncode == 2 and again.stderr == f"error: {pt!r} already exists; choose a new output file or remove it\n"
+    not_pt = str(tmp_path / "notes.jsonl")
+    with open(not_pt, "w") as file:
+        file.write('{"a": 1}\n')
+    bad = run("convert_checkpoint.py", "from-torch", not_pt, str(tmp_path / "out"))
+    assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1 and "cannot read it" in bad.stderr, bad.stderr

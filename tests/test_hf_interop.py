@@ -211,6 +211,9 @@ def test_command_line(converted, tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err
     assert script.main(["to-hf", seed, str(tmp_path / "out"), "--dtype", "bfloat16"]) == 0
     assert "1 safetensors file(s)" in capsys.readouterr().out
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(tmp_path / "out" / "model.safetensors").st_mode & 0o777 == 0o666 & ~umask  # like config.json
     config = json.load(open(tmp_path / "out" / "config.json"))
     assert config["torch_dtype"] == "bfloat16" and config["num_local_experts"] == 4
     gpt2 = tmp_path / "gpt2"

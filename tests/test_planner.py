@@ -106,6 +106,7 @@ def test_plan_script_json(tmp_path):
     (["--flavor", "7B", "--gpus", "8"], "--flavor '7B' is not a flavor of llama"),
     (["--model", "gpt", "--flavor", "8B", "--gpus", "8"], "--model 'gpt' is not a registered model"),
     (["--config", "nope.toml", "--flavor", "8B", "--gpus", "8"], "--config nope.toml: no such file"),
+    (["--flavor", "8B", "--gpus", "8", "--json", "/tmp"], "--json /tmp is a folder"),
 ])
 def test_plan_script_refuses_bad_input(args, needle):
     result = _plan(*args, check=False)

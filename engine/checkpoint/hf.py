@@ -367,6 +367,7 @@ def export_hf_model(checkpoint_dir: str, out_dir: str, dtype: str | None = None,
             tensors.update({key: converted[i].to(out_type).contiguous() for key, r, i, _ in shard if r is rule})
             del converted
         save_file(tensors, os.path.join(tmp, file_name), metadata={"format": "pt"})
+        _readable_like_open(os.path.join(tmp, file_name))
         weight_map.update({key: file_name for key in tensors})
         del tensors
     total = sum(item[3] for item in outputs)
@@ -384,6 +385,14 @@ def export_hf_model(checkpoint_dir: str, out_dir: str, dtype: str | None = None,
         copied = tokenizer_path
     os.replace(tmp, out_dir)
     return {"name": name, "tensors": len(outputs), "shards": len(shards), "bytes": total, "tokenizer": copied}
+
+
+def _readable_like_open(path: str) -> None:
+    """Give ``path`` the mode ``open()`` would (0o666 minus the umask): safetensors writes its files
+    owner-only (0o600), unreadable to the other users of a shared folder."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def _write_json(path: str, data: dict) -> None:

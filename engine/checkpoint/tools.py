@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import shutil
 
 import torch
@@ -96,8 +97,11 @@ def export_model_weights(checkpoint_dir: str, out_path: str, dtype: str | None =
         The number of tensors written.
 
     Raises:
-        CheckpointError: not a DCP checkpoint folder, no model weights in it, or an unknown dtype.
+        CheckpointError: not a DCP checkpoint folder, no model weights in it, an unknown dtype, or
+            ``out_path`` exists (never overwritten).
     """
+    if os.path.exists(out_path):
+        raise CheckpointError(f"{out_path!r} already exists; choose a new output file or remove it")
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
     if not os.path.isfile(os.path.join(checkpoint_dir, files.DCP_METADATA)):
@@ -125,9 +129,14 @@ def import_model_weights(weights_path: str, checkpoint_dir: str) -> str:
     ``checkpoint.initial_load_path = checkpoint_dir`` (or as ``<checkpoint.folder>/step-0``).
 
     Raises:
-        CheckpointError: the file does not hold a dict of tensors, or ``checkpoint_dir`` exists.
+        CheckpointError: the file is not a ``torch.save`` file, does not hold a dict of tensors, or
+            ``checkpoint_dir`` exists.
     """
-    weights = torch.load(weights_path, map_location="cpu", weights_only=True)
+    try:
+        weights = torch.load(weights_path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
+        raise CheckpointError(f"{weights_path!r}: torch.load(weights_only=True) cannot read it ({type(error).__name__}); "
+                              "pass a torch.save file of {name: tensor}, e.g. one written by to-torch") from None
     if not isinstance(weights, dict) or not weights or not all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()):
         raise CheckpointError(f"{weights_path!r} does not hold a dict {{name: tensor}} of model weights")
