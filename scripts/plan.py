@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(argv + [
             "--model.name", a.model, "--model.flavor", a.flavor, "--training.seq_len", str(a.seq_len),
             "--training.global_batch_size", str(a.global_batch_size),
+            "--training.local_batch_size", "1",  # each candidate layout chooses its own (engine/planner/search.py)
             "--training.mixed_precision_param", "bfloat16", "--job.device", "cuda",
         ])
         cfg.validate()

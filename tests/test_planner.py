@@ -145,3 +145,9 @@ def test_flops_per_token_equal_the_models_accounting(model):
     spec = __import__("models.registry", fromlist=["get_model_spec"]).get_model_spec(model)
     _, flops = args.get_nparams_and_flops(build_meta_model(spec, args), layout.seq_len)
     assert training_flops_per_token(layout) == pytest.approx(flops, rel=1e-12)
+
+
+def test_plan_script_takes_a_global_batch_smaller_than_the_default_local_batch():
+    """Each candidate layout chooses its local batch: --global_batch_size 4 on 8 GPUs is valid."""
+    result = _plan("--flavor", "8B", "--gpus", "8", "--global_batch_size", "4", "--top", "1", check=False)
+    assert result.returncode == 0 and "global batch 4 sequences" in result.stdout, result.stderr
