@@ -89,11 +89,20 @@ def dry_run(cfg, world_size: int, *, gpus_per_node: int) -> int:
     print(f"dry run: {verdict}: {est.memory.total / GIB:.1f} GiB per rank of {gpu.memory_bytes / GIB:.0f} GiB; "
           f"checked in {seconds:.1f} s")
     if not est.fits:
-        print(f"dry run: {FIT_HINT}")
+        print(f"dry run: {fit_hint(est.memory, gpu.memory_bytes)}")
     return 0 if est.fits else 1
 
 
-FIT_HINT = ("try activation_checkpoint.mode = \"full\", a smaller training.local_batch_size, more tp or pp "
+def fit_hint(memory, gpu_bytes: int) -> str:
+    """What to change when ``memory`` (a planner ``MemoryEstimate``, bytes per rank) exceeds
+    ``gpu_bytes``: shard the state over more ranks when parameters + gradients + optimizer state alone
+    exceed it (no activation setting helps then), else cut the activations."""
+    state = memory.params + memory.grads + memory.optimizer
+    if state > gpu_bytes:
+        return (f"the parameters, gradients and optimizer state alone need {state / GIB:.1f} GiB per rank: shard "
+                "them over more GPUs (a larger world size for parallelism.dp_shard), or add tp or pp "
+                "(./scripts/plan.py ranks layouts)")
+    return ("try activation_checkpoint.mode = \"full\", a smaller training.local_batch_size, more tp or pp "
             "(./scripts/plan.py ranks layouts)")
 
 
@@ -116,7 +125,7 @@ def fit_message(cfg, world_size: int, *, gpus_per_node: int, gpu, gpu_bytes: int
     return (f"the planner predicts {m.total / GIB:.1f} GiB per GPU (params {m.params / GIB:.1f}, grads "
             f"{m.grads / GIB:.1f}, optimizer {m.optimizer / GIB:.1f}, activations {m.activations / GIB:.1f}, FSDP "
             f"buffers {m.transient / GIB:.1f}; gradient reduction {m.reduction / GIB:.1f}) but {gpu_name} has "
-            f"{gpu_bytes / GIB:.1f} GiB: expect out-of-memory; {FIT_HINT}")
+            f"{gpu_bytes / GIB:.1f} GiB: expect out-of-memory; {fit_hint(m, gpu_bytes)}")
 
 
 def fit_warning(cfg, world_size: int, *, gpus_per_node: int) -> str | None:
