@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-GIB = 1024**3
+from engine.planner.hardware import GIB, HEADROOM, usable  # torch-free
 
 
 def _gpu_for(cfg):
@@ -74,7 +74,7 @@ def dry_run(cfg, world_size: int, *, gpus_per_node: int) -> int:
     mem = est.memory
     est.memory = MemoryEstimate(real.params, real.grads, real.optimizer, mem.activations, mem.transient,
                                  mem.reduction)
-    est.fits = est.memory.total <= gpu.memory_bytes
+    est.fits = est.memory.total <= gpu.usable_bytes
     seconds = time.perf_counter() - start
     c = cfg
     print(f"dry run: {c.model.name} {c.model.flavor}, {world_size} ranks ({gpus_per_node} per node), "
@@ -86,7 +86,8 @@ def dry_run(cfg, world_size: int, *, gpus_per_node: int) -> int:
     print(f"  planner formulas vs real plan (rank {busiest.rank}): {agree}")
     print(table([est.as_dict()]))
     verdict = "fits" if est.fits else "does NOT fit"
-    print(f"dry run: {verdict}: {est.memory.total / GIB:.1f} GiB per rank of {gpu.memory_bytes / GIB:.0f} GiB; "
+    print(f"dry run: {verdict}: {est.memory.total / GIB:.1f} GiB per rank of {gpu.usable_bytes / GIB:.1f} GiB usable "
+          f"({gpu.memory_bytes / GIB:.0f} GiB less {HEADROOM:.0%} headroom); "
           f"checked in {seconds:.1f} s")
     if not est.fits:
         print(f"dry run: {fit_hint(est.memory, gpu.memory_bytes)}")
@@ -107,7 +108,8 @@ def fit_hint(memory, gpu_bytes: int) -> str:
 
 
 def fit_message(cfg, world_size: int, *, gpus_per_node: int, gpu, gpu_bytes: int, gpu_name: str) -> str | None:
-    """The warning line when the planner's per-rank total for ``cfg`` exceeds ``gpu_bytes``, else None.
+    """The warning line when the planner's per-rank total for ``cfg`` exceeds what a layout may use of
+    ``gpu_bytes`` (engine/planner/hardware.py ``usable``), else None.
 
     Args:
         gpu: the hardware table entry (bandwidths and peak for the estimate); gpu_bytes: the
@@ -120,12 +122,13 @@ def fit_message(cfg, world_size: int, *, gpus_per_node: int, gpu, gpu_bytes: int
     from engine.planner.layout import Layout
 
     m = estimate(Layout.from_config(cfg, world_size, "cuda"), gpu, gpus_per_node).memory
-    if m.total <= gpu_bytes:
+    if m.total <= usable(gpu_bytes):
         return None
     return (f"the planner predicts {m.total / GIB:.1f} GiB per GPU (params {m.params / GIB:.1f}, grads "
             f"{m.grads / GIB:.1f}, optimizer {m.optimizer / GIB:.1f}, activations {m.activations / GIB:.1f}, FSDP "
             f"buffers {m.transient / GIB:.1f}; gradient reduction {m.reduction / GIB:.1f}) but {gpu_name} has "
-            f"{gpu_bytes / GIB:.1f} GiB: expect out-of-memory; {fit_hint(m, gpu_bytes)}")
+            f"{gpu_bytes / GIB:.1f} GiB ({usable(gpu_bytes) / GIB:.1f} usable, {HEADROOM:.0%} kept for the CUDA context, "
+            f"NCCL and fragmentation): expect out-of-memory; {fit_hint(m, gpu_bytes)}")
 
 
 def fit_warning(cfg, world_size: int, *, gpus_per_node: int) -> str | None:

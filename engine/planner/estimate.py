@@ -101,4 +101,4 @@ def estimate(layout, gpu, gpus_per_node: int, efficiency: float = DEFAULT_EFFICI
     step = compute / (1 - bubble) + exposed + max(0.0, overlapped - compute)
     mfu = flops / (step * layout.world_size * gpu.peak_flops)
     return LayoutEstimate(layout, memory, comm, bubble, step, compute, mfu,
-                          memory.total <= gpu.memory_bytes, gpu.memory_bytes)
+                          memory.total <= gpu.usable_bytes, gpu.memory_bytes)

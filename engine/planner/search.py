@@ -133,7 +133,7 @@ def plan(cfg, world_size: int, gpu, gpus_per_node: int, efficiency: float) -> Pl
     by_row: dict[int, list[LayoutEstimate]] = {}
     for est in found:
         by_row.setdefault(_row_of(est), []).append(est)
-    cap = gpu.memory_bytes / GIB
+    cap = gpu.usable_bytes / GIB
     notes = []
     row = 0
     for r in (1, 2, 3, 4):
