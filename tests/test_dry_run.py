@@ -60,3 +60,19 @@ def test_dry_run_that_does_not_fit_exits_1_with_a_hint():
     # State that fits with activations that do not: the activation settings are the fix.
     hint = fit_hint(MemoryEstimate(4 * GIB, 4 * GIB, 8 * GIB, 200 * GIB, 0), 80 * GIB)
     assert hint.startswith('try activation_checkpoint.mode = "full"'), hint
+
+
+def test_a_layout_fits_only_within_the_headroom():
+    """5 % of the GPU stays free (engine/planner/hardware.py HEADROOM): a total at 97 % of the memory
+    is reported as not fitting, one at 94 % fits."""
+    from engine.config import load_config
+    from engine.dry_run import fit_message
+    from engine.planner.estimate import estimate
+    from engine.planner.hardware import get_gpu
+    from engine.planner.layout import Layout
+
+    gpu = get_gpu("H100-80GB")
+    cfg = load_config(["--job.config_file", os.path.join(REPO, "train_configs", "debug_model.toml")])
+    total = estimate(Layout.from_config(cfg, 2, "cuda"), gpu, 2).memory.total
+    assert fit_message(cfg, 2, gpus_per_node=2, gpu=gpu, gpu_bytes=int(total / 0.97), gpu_name="x")
+    assert fit_message(cfg, 2, gpus_per_node=2, gpu=gpu, gpu_bytes=int(total / 0.94), gpu_name="x") is None
