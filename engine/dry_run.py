@@ -77,7 +77,7 @@ def dry_run(cfg, world_size: int, *, gpus_per_node: int) -> int:
     est.fits = est.memory.total <= gpu.usable_bytes
     seconds = time.perf_counter() - start
     c = cfg
-    print(f"dry run: {c.model.name} {c.model.flavor}, {world_size} rank{"s" if world_size > 1 else ""} ({gpus_per_node} per node), "
+    print(f"dry run: {c.model.name} {c.model.flavor}, {world_size} rank{'s' if world_size > 1 else ''} ({gpus_per_node} per node), "
           f"seq_len {layout.seq_len}, global batch {layout.global_batch_size}; GPU {gpu.name} ({gpu_source})")
     for r in built:
         print(f"  real plan of rank {r.rank} {r.coords}: {r.state.n_tensors} parameter tensors, "
