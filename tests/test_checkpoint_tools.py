@@ -3,6 +3,7 @@ export to one file and back, seed checkpoints, and the two command-line scripts.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -184,7 +185,7 @@ def test_export_import_and_seed_round_trip(tmp_path):
                    "refuses_existing": True, "import_equals_live": True, "seed_loaded": True}
 
 
-def test_command_line_scripts(tmp_path):
+def test_command_line_scripts(tmp_path, capsys):
     def run(script: str, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, os.path.join(REPO, "scripts", script), *args], cwd=REPO,
                               capture_output=True, text=True, timeout=240)
@@ -197,10 +198,16 @@ def test_command_line_scripts(tmp_path):
     exported = run("convert_checkpoint.py", "to-torch", step0, pt)
     assert exported.returncode == 0 and "wrote 57 tensors" in exported.stdout, exported.stderr
     assert set(torch.load(pt, weights_only=True)) >= {"tok_embeddings.weight", "layers.5.feed_forward.w2.weight"}
-    again = run("convert_checkpoint.py", "to-torch", step0, pt)  # never overwrites
-    assert again.returncode == 2 and again.stderr == f"error: {pt!r} already exists; choose a new output file or remove it\n"
+    # Refusals, in this process (a subprocess would import torch again): one line, exit status 2.
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", os.path.join(REPO, "scripts",
+                                                                                    "convert_checkpoint.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["to-torch", step0, pt]) == 2  # never overwrites
+    assert capsys.readouterr().err == f"error: {pt!r} already exists; choose a new output file or remove it\n"
     not_pt = str(tmp_path / "notes.jsonl")
     with open(not_pt, "w") as file:
         file.write('{"a": 1}\n')
-    bad = run("convert_checkpoint.py", "from-torch", not_pt, str(tmp_path / "out"))
-    assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1 and "cannot read it" in bad.stderr, bad.stderr
+    assert script.main(["from-torch", not_pt, str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "cannot read it" in err, err
