@@ -211,3 +211,10 @@ def test_command_line_scripts(tmp_path, capsys):
     assert script.main(["from-torch", not_pt, str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "cannot read it" in err, err
+    # from-torch records no model: to-hf of it says what to do instead.
+    dcp_dir = str(tmp_path / "from_torch")
+    assert script.main(["from-torch", pt, dcp_dir]) == 0
+    capsys.readouterr()
+    assert script.main(["to-hf", dcp_dir, str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "export one of that run's checkpoints" in err, err

@@ -248,7 +248,8 @@ def _checkpoint_model(checkpoint_dir: str, marker: dict):
         return spec.name, args
     if "config" not in marker:
         raise CheckpointError(f"{where} says neither which model the checkpoint holds (\"model\") nor the config "
-                              "that saved it; to-hf needs one of them")
+                              "that saved it (a from-torch folder records neither); start a run from it with "
+                              "--checkpoint.initial_load_path and export one of that run's checkpoints")
     from engine.checkpoint.state import tomllib
     from engine.config.schema import ModelSection
 
