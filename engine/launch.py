@@ -113,6 +113,10 @@ class _Signals:
 
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
+        if self.received is None:  # say at once what happens: a long step may take a while to end
+            again = "; Ctrl-C again stops at once without saving" if signum == signal.SIGINT else ""
+            _say(f"quadra: received {name}: the ranks finish the current step, save a checkpoint (when "
+                 f"checkpoint.enable) and exit{again}")
         self.received = self.received or name
         if signum == signal.SIGINT:
             self.interrupts += 1

@@ -138,6 +138,8 @@ def test_stop_signals_save_exit_0_and_the_same_command_continues_bitwise(corpus,
         assert "Traceback" not in out, out[-3000:]
         stopped_at = _train_records(folder)[-1]["step"]
         assert stopped_at < STEPS, "the run ended before the signal arrived"
+        if to != "ranks":  # the launcher says at once what the signal does
+            assert f"quadra: received {signal.Signals(sigs[0]).name}: the ranks finish the current step" in out, out[-3000:]
         if len(sigs) == 2:  # the second Ctrl-C: no save, one line, the newest checkpoint stays
             assert proc.returncode == 130, out[-3000:]
             assert out.strip().splitlines()[-1].startswith("quadra: stopped at once by a second Ctrl-C"), out[-2000:]
