@@ -49,7 +49,7 @@ def _args(argv):
 
 def main(argv: list[str] | None = None) -> int:
     a = _args(sys.argv[1:] if argv is None else argv)
-    for flag in ("gpus", "gpus_per_node", "seq_len", "global_batch_size"):
+    for flag in ("gpus", "gpus_per_node", "seq_len", "global_batch_size", "top"):
         if getattr(a, flag) < 1:
             print(f"plan error: --{flag} {getattr(a, flag)} must be >= 1", file=sys.stderr)
             return 2

@@ -107,6 +107,8 @@ def test_plan_script_json(tmp_path):
     (["--model", "gpt", "--flavor", "8B", "--gpus", "8"], "--model 'gpt' is not a registered model"),
     (["--config", "nope.toml", "--flavor", "8B", "--gpus", "8"], "--config nope.toml: no such file"),
     (["--flavor", "8B", "--gpus", "8", "--json", "/tmp"], "--json /tmp is a folder"),
+    (["--flavor", "8B", "--gpus", "8", "--gpu", "A100"], "--gpu 'A100' is ambiguous; use A100-40GB or A100-80GB"),
+    (["--flavor", "8B", "--gpus", "8", "--top", "0"], "--top 0 must be >= 1"),
 ])
 def test_plan_script_refuses_bad_input(args, needle):
     result = _plan(*args, check=False)

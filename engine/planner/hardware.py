@@ -56,7 +56,8 @@ GPUS: dict[str, GPU] = {
     "H200-141GB": GPU("H200-141GB", 989e12, 141 * GIB, 450e9, 50e9),
     "B200-180GB": GPU("B200-180GB", 2250e12, 180 * GIB, 900e9, 50e9),
 }
-_ALIASES = {"A100": "A100-80GB", "H100": "H100-80GB", "H200": "H200-141GB", "B200": "B200-180GB"}
+# Short names of the families with one memory size; "A100" comes in two, so it must be spelled out.
+_ALIASES = {"H100": "H100-80GB", "H200": "H200-141GB", "B200": "B200-180GB"}
 
 
 class HardwareError(ValueError):
@@ -65,7 +66,8 @@ class HardwareError(ValueError):
 
 def get_gpu(name: str, *, peak_tflops: float = 0.0, hbm_gib: float = 0.0, nvlink_gbps: float = 0.0,
             internode_gbps: float = 0.0) -> GPU:
-    """The table's entry for ``name`` (case-insensitive; "H100" = "H100-80GB"), with overrides.
+    """The table's entry for ``name`` (case-insensitive; "H100" = "H100-80GB", "A100" is refused as
+    ambiguous), with overrides.
 
     Args:
         peak_tflops: dense bf16 TFLOP/s; hbm_gib: memory in GiB; nvlink_gbps / internode_gbps: GB/s
@@ -76,6 +78,8 @@ def get_gpu(name: str, *, peak_tflops: float = 0.0, hbm_gib: float = 0.0, nvlink
     """
     key = next((k for k in GPUS if k.lower() == name.lower()), None)
     key = key or _ALIASES.get(name.upper())
+    if key is None and name.upper() == "A100":
+        raise HardwareError("--gpu 'A100' is ambiguous; use A100-40GB or A100-80GB")
     if key is None:
         raise HardwareError(f"--gpu {name!r} is not in the hardware table; use one of {', '.join(GPUS)} "
                             "(or one of them with --peak_tflops/--hbm_gib/--nvlink_gbps/--internode_gbps overrides)")
