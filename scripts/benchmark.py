@@ -11,7 +11,8 @@ Cases (debugmodel, fp32, CPU, gloo; one intra-op thread per rank):
   ``clip_grad_norm_`` vs ``torch.nn.utils.clip_grad_norm_`` on the same gradients.
 - ``scaling``: tokens/s at W = 2 for FSDP2, DDP and TP over W = 1, divided by the machine's
   2-process ceiling (two independent one-process runs at once over one alone); runs interleaved by
-  round. Also the engine's clipping under TP 2 vs ``torch.nn.utils.clip_grad_norm_`` on full-size
+  round; and TP 2 compiled without sequence parallel over one compiled process. Also the engine's
+  clipping under TP 2 vs ``torch.nn.utils.clip_grad_norm_`` on full-size
   copies of the same gradients (the one-process clip), alternating in the same rank process.
 - ``comm``: collective bytes per rank per step, counted by a dispatch mode
   (parallelisms/comm_counter.py), against the exact formulas; also FSDP with 2 microbatches,
@@ -51,6 +52,10 @@ CASES = ("loop", "scaling", "comm", "memory", "ac_compile")
 FSDP2 = {"parallelism.dp_shard": 2}
 DDP2 = {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 1}
 TP2 = {"parallelism.tp": 2, "parallelism.dp_shard": 1}
+COMPILED = {"compile.enable": "true"}
+# TP 2 compiled, without sequence parallel: compile traces DTensor's dispatch away, and on gloo one
+# all-reduce costs less than the all-gather + reduce-scatter pair that sequence parallel uses.
+TP2_COMPILED = {**TP2, **COMPILED, "parallelism.sequence_parallel": "false"}
 
 
 class Bench:
@@ -78,11 +83,11 @@ class Bench:
         print(f"  {what:<58} {value}", flush=True)
 
     def timed(self, name: str, world_size: int, overrides: dict, *, independent: bool = False,
-              timing: bool = True, **options):
+              timing: bool = True, warmup: int | None = None, **options):
         """Per-rank results of ``runs.timed_engine_run`` (``independent``: one-process runs side by
         side, no process group); ``options``: count_comm, state_bytes. ``timing=False``: only what
         ``options`` ask for, after one step (FSDP's lazy set-up and the optimizer state are in place)."""
-        steps, warmup = (self.steps, self.warmup) if timing else (0, 1)
+        steps, warmup = (self.steps, warmup or self.warmup) if timing else (0, 1)
         return run_distributed(_timed_with_options, world_size, self.argv(name, overrides), steps,
                                warmup, options, timeout=600, torchrun_env=not independent)
 
@@ -112,6 +117,9 @@ def case_scaling(b: Bench) -> None:
         "fsdp2": lambda: b.timed("fsdp2", 2, FSDP2)[0]["step_s"],
         "ddp2": lambda: b.timed("ddp2", 2, DDP2)[0]["step_s"],
         "tp2": lambda: b.timed("tp2", 2, TP2)[0]["step_s"],
+        # Compiled (warm-up 3: the first steps compile): TP 2 over one compiled process.
+        "single_compiled": lambda: b.timed("single_compiled", 1, COMPILED, independent=True, warmup=3)[0]["step_s"],
+        "tp2_compiled": lambda: b.timed("tp2_compiled", 2, TP2_COMPILED, warmup=3)[0]["step_s"],
     }
     samples = interleave(variants, b.rounds)
     single = Stat.of(samples["single"]).median
@@ -126,6 +134,10 @@ def case_scaling(b: Bench) -> None:
         speedup.p75 *= tokens_factor
         out[name] = {"speedup": speedup.as_dict(), "of_ceiling": speedup.median / ceiling}
         b.row("scaling", f"{name}: tokens/s over 1 process", f"{_fmt_ratio(speedup)}  = {speedup.median / ceiling:.0%} of ceiling")
+    compiled = ratio_stat(samples["single_compiled"], samples["tp2_compiled"])
+    out["tp2_compiled"] = {"speedup": compiled.as_dict(), "of_ceiling": compiled.median / ceiling}
+    b.row("scaling", "tp2 compiled, no SP: tokens/s over 1 compiled process",
+          f"{_fmt_ratio(compiled)}  = {compiled.median / ceiling:.0%} of ceiling")
     tp_clip = run_distributed(runs.clip_under_layout, 2, b.argv("tp2_clip", TP2), b.rounds * b.steps * 4, timeout=600)[0]
     out["tp2_clip_s"], out["torch_full_clip_s"] = tp_clip["clip_s"], tp_clip["torch_full_clip_s"]
     b.results["scaling"] = out
