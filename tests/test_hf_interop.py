@@ -180,7 +180,7 @@ def test_preflight_refuses_another_model_than_the_checkpoint(converted, tmp_path
 
 
 def test_models_without_a_hugging_face_equivalent_are_refused():
-    from engine.checkpoint.hf import weight_rules
+    from engine.checkpoint.hf_weights import weight_rules
     from models.registry import get_model_args
 
     deepseek_style = get_model_args("moe", "debugmodel")  # shared expert, dense first layer, routing bias
