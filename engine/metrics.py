@@ -143,8 +143,9 @@ def _drop_records_from(path: str, step: int) -> list[int]:
         except json.JSONDecodeError:
             torn = True
             continue
-        if int(record.get("step", 0)) >= step:
-            dropped.append(int(record["step"]))
+        logged = int(record.get("step", 0))
+        if logged >= step:
+            dropped.append(logged)
         else:
             kept.append(line if line.endswith("\n") else line + "\n")
     if not dropped and not torn:

@@ -96,13 +96,13 @@ class Trainer:
         self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY_STEPS)
         if self.dist.rank == 0:
             self._write_run_config()
+        self.metrics = self._build_metrics()
         self.profiler = StepProfiler(cfg.profiling, self.run_folder, self.dist.rank, self.device)
         self.stop_request = StopRequest(self.device, self.dist.is_distributed)
         self.stopped_by: str | None = None
         self.stop_saved = False
         self.checkpointer = self._build_checkpointer()
         self.checkpointer.load()  # continue where an earlier run of this folder stopped, if it saved
-        self.metrics = self._build_metrics()
 
     # ------------------------------------------------------------------ building
     def _build_context_parallel(self) -> ContextParallel | None:

@@ -47,44 +47,37 @@ def _args(argv):
     return p.parse_args(argv)
 
 
+def _refuse(message: str) -> int:
+    """Print ``plan error: <message>`` (one line) to stderr; returns the exit status, 2."""
+    print(f"plan error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     a = _args(sys.argv[1:] if argv is None else argv)
     for flag in ("gpus", "gpus_per_node", "seq_len", "global_batch_size", "top"):
         if getattr(a, flag) < 1:
-            print(f"plan error: --{flag} {getattr(a, flag)} must be >= 1", file=sys.stderr)
-            return 2
+            return _refuse(f"--{flag} {getattr(a, flag)} must be >= 1")
     if a.gpus % a.gpus_per_node and a.gpus > a.gpus_per_node:
-        print(f"plan error: --gpus {a.gpus} is not a multiple of --gpus_per_node {a.gpus_per_node}; use whole nodes",
-              file=sys.stderr)
-        return 2
+        return _refuse(f"--gpus {a.gpus} is not a multiple of --gpus_per_node {a.gpus_per_node}; use whole nodes")
     if not 0 < a.efficiency <= 1:
-        print(f"plan error: --efficiency {a.efficiency} must be in (0, 1]", file=sys.stderr)
-        return 2
+        return _refuse(f"--efficiency {a.efficiency} must be in (0, 1]")
     if a.json and os.path.isdir(a.json):
-        print(f"plan error: --json {a.json} is a folder; give a file path, e.g. {os.path.join(a.json, 'plan.json')}",
-              file=sys.stderr)
-        return 2
+        return _refuse(f"--json {a.json} is a folder; give a file path, e.g. {os.path.join(a.json, 'plan.json')}")
     folder = os.path.dirname(os.path.abspath(a.json)) if a.json else ""
     if a.json and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
-        print(f"plan error: --json {a.json}: folder {folder} does not exist or is not writable; "
-              "create it or choose another path", file=sys.stderr)
-        return 2
+        return _refuse(f"--json {a.json}: folder {folder} does not exist or is not writable; "
+                       "create it or choose another path")
     if a.config and not os.path.isfile(a.config):
-        print(f"plan error: --config {a.config}: no such file; pass a TOML file, e.g. train_configs/llama3_8b.toml",
-              file=sys.stderr)
-        return 2
+        return _refuse(f"--config {a.config}: no such file; pass a TOML file, e.g. train_configs/llama3_8b.toml")
     import models  # noqa: F401  (registers the model families)
     from models.registry import get_model_spec, list_model_names
 
     if a.model not in list_model_names():
-        print(f"plan error: --model {a.model!r} is not a registered model; use one of {', '.join(list_model_names())}",
-              file=sys.stderr)
-        return 2
+        return _refuse(f"--model {a.model!r} is not a registered model; use one of {', '.join(list_model_names())}")
     spec = get_model_spec(a.model)
     if a.flavor not in spec.flavors:
-        print(f"plan error: --flavor {a.flavor!r} is not a flavor of {a.model}; use one of {', '.join(spec.flavors)}",
-              file=sys.stderr)
-        return 2
+        return _refuse(f"--flavor {a.flavor!r} is not a flavor of {a.model}; use one of {', '.join(spec.flavors)}")
     from engine.config import ConfigError, load_config
     from engine.planner.hardware import HardwareError, get_gpu
     from engine.planner.report import table, write_json
@@ -102,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         ])
         cfg.validate()
     except (ConfigError, HardwareError, ValueError) as error:
-        print(f"plan error: {error}", file=sys.stderr)
-        return 2
+        return _refuse(str(error))
     result = plan(cfg, a.gpus, gpu, a.gpus_per_node, a.efficiency)
     records = [e.as_dict() for e in result.ranked]
     print(f"{a.model} {a.flavor} on {a.gpus} x {gpu.name} ({a.gpus_per_node} per node), seq_len {a.seq_len}, "

@@ -12,7 +12,6 @@ each layout in turn, builds a Trainer, trains one warm-up step and then measures
 
 from __future__ import annotations
 
-
 from tests.training_utils import base_args, run_in_turn
 
 

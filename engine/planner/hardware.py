@@ -56,8 +56,6 @@ GPUS: dict[str, GPU] = {
     "H200-141GB": GPU("H200-141GB", 989e12, 141 * GIB, 450e9, 50e9),
     "B200-180GB": GPU("B200-180GB", 2250e12, 180 * GIB, 900e9, 50e9),
 }
-# Short names of the families with one memory size; "A100" comes in two, so it must be spelled out.
-_ALIASES = {"H100": "H100-80GB", "H200": "H200-141GB", "B200": "B200-180GB"}
 
 
 class HardwareError(ValueError):
@@ -66,20 +64,22 @@ class HardwareError(ValueError):
 
 def get_gpu(name: str, *, peak_tflops: float = 0.0, hbm_gib: float = 0.0, nvlink_gbps: float = 0.0,
             internode_gbps: float = 0.0) -> GPU:
-    """The table's entry for ``name`` (case-insensitive; "H100" = "H100-80GB", "A100" is refused as
-    ambiguous), with overrides.
+    """The table's entry for ``name`` (case-insensitive), with overrides. A family name stands for its
+    one entry ("H100" = "H100-80GB"); a family with several memory sizes ("A100") is refused as
+    ambiguous.
 
     Args:
         peak_tflops: dense bf16 TFLOP/s; hbm_gib: memory in GiB; nvlink_gbps / internode_gbps: GB/s
             per GPU per direction. 0 keeps the table's value.
 
     Raises:
-        HardwareError: an unknown name (lists the known ones) or a negative override.
+        HardwareError: an unknown or ambiguous name (lists the known ones) or a negative override.
     """
     key = next((k for k in GPUS if k.lower() == name.lower()), None)
-    key = key or _ALIASES.get(name.upper())
-    if key is None and name.upper() == "A100":
-        raise HardwareError("--gpu 'A100' is ambiguous; use A100-40GB or A100-80GB")
+    family = [k for k in GPUS if k.upper().startswith(name.upper() + "-")]
+    if key is None and len(family) > 1:
+        raise HardwareError(f"--gpu {name!r} is ambiguous; use {' or '.join(family)}")
+    key = key or (family[0] if family else None)
     if key is None:
         raise HardwareError(f"--gpu {name!r} is not in the hardware table; use one of {', '.join(GPUS)} "
                             "(or one of them with --peak_tflops/--hbm_gib/--nvlink_gbps/--internode_gbps overrides)")

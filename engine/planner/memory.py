@@ -220,26 +220,27 @@ def transient_bytes(layout, coords: dict | None = None) -> int:
 
 def peak_nonstate_bytes(layout, coords: dict | None = None) -> int:
     """The step's peak of non-state bytes (everything but parameter shards, their gradients and
-    optimizer state) of the rank at ``coords``: the larger of the loss phase (activations +
-    transient) and the gradient-reduction phase (engine/planner/reduction.py), bytes."""
+    optimizer state) of the rank at ``coords``: :attr:`MemoryEstimate.peak_nonstate`, the larger of
+    the loss phase (activations + transient) and the gradient-reduction phase, bytes."""
+    return MemoryEstimate(0, 0, 0, *_nonstate_terms(layout, coords or {})).peak_nonstate
+
+
+def _nonstate_terms(layout, coords: dict) -> tuple[int, int, int]:
+    """(activations, transient, reduction) of the rank at ``coords``, bytes."""
     from engine.planner.reduction import reduction_bytes  # reduction.py builds on this module
 
-    coords = coords or {}
-    loss_phase = activation_bytes(layout, coords.get("pp", 0)) + transient_bytes(layout, coords)
-    return max(loss_phase, reduction_bytes(layout, coords))
+    return (activation_bytes(layout, coords.get("pp", 0)), transient_bytes(layout, coords),
+            reduction_bytes(layout, coords))
 
 
 def estimate_memory(layout) -> MemoryEstimate:
     """:class:`MemoryEstimate` of the busiest rank: the pp rank with the largest total (coordinate 0
     on the other dims, whose shards are the largest under ``torch.chunk``)."""
-    from engine.planner.reduction import reduction_bytes  # reduction.py builds on this module
-
     best = None
     for pp_rank in range(layout.pp):
         coords = {"pp": pp_rank}
         state = state_bytes(layout, coords)
-        est = MemoryEstimate(state.params, state.grads, state.optimizer, activation_bytes(layout, pp_rank),
-                             transient_bytes(layout, coords), reduction_bytes(layout, coords))
+        est = MemoryEstimate(state.params, state.grads, state.optimizer, *_nonstate_terms(layout, coords))
         if best is None or est.total > best.total:
             best = est
     return best
