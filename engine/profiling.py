@@ -38,6 +38,7 @@ class StepProfiler:
         self.device = device
         self.last_step = cfg.start_step + cfg.num_steps - 1
         self._profile: torch.profiler.profile | None = None
+        self._stopped: torch.profiler.profile | None = None  # stopped, not yet written
         self.snapshots = cfg.memory_snapshot and device.type == "cuda"
         if cfg.memory_snapshot and not self.snapshots:
             logger.warning("profiling.memory_snapshot = true needs a CUDA device; no snapshot on %s", device.type)
@@ -54,15 +55,23 @@ class StepProfiler:
             self._profile.__enter__()
 
     def step_end(self, step: int) -> None:
-        """Call after 1-based ``step`` finished: writes the trace (and snapshot) after the last traced step."""
+        """Call right after 1-based ``step`` trained: stops tracing after the last traced step (what
+        follows the step, such as a checkpoint save, stays out of the trace); :meth:`write` writes it."""
         if self._profile is not None and step == self.last_step:
             self._profile.__exit__(None, None, None)
-            os.makedirs(self.folder, exist_ok=True)
-            path = os.path.join(self.folder, f"rank{self.rank}_step{self.cfg.start_step}-{self.last_step}.json")
-            self._profile.export_chrome_trace(path)
-            self._profile = None
-            logger.info("profiler trace of steps %d-%d: %s", self.cfg.start_step, self.last_step, path)
-            self.dump_memory_snapshot(step)
+            self._stopped, self._profile = self._profile, None
+
+    def write(self, step: int) -> None:
+        """Write the trace stopped by :meth:`step_end` (and the memory snapshot), if any. Called after
+        the step's checkpoint, since writing files can fail (a full disk) and must not lose the step."""
+        if self._stopped is None:
+            return
+        profile, self._stopped = self._stopped, None
+        os.makedirs(self.folder, exist_ok=True)
+        path = os.path.join(self.folder, f"rank{self.rank}_step{self.cfg.start_step}-{self.last_step}.json")
+        profile.export_chrome_trace(path)
+        logger.info("profiler trace of steps %d-%d: %s", self.cfg.start_step, self.last_step, path)
+        self.dump_memory_snapshot(step)
 
     def dump_memory_snapshot(self, step: int) -> str | None:
         """Write the recorded CUDA allocations (after the traced steps, or on out-of-memory); the path

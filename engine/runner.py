@@ -28,7 +28,7 @@ import torch.nn as nn
 from engine.loss import IGNORE_INDEX, token_sum_loss
 from parallelisms.context_parallel import ContextParallel
 from parallelisms.data_parallel import sync_on_last_microbatch
-from parallelisms.pipeline import PipelinePlan, build_pipeline_schedule
+from parallelisms.pipeline import PipelinePlan, build_pipeline_schedule, evaluation_order
 from parallelisms.pipeline_timing import StageBusyTimer
 from parallelisms.tensor_parallel import loss_parallel_context, to_local
 
@@ -181,6 +181,7 @@ class PipelineRunner(_Runner):
     def __init__(self, plan: PipelinePlan, model_parts: list[nn.Module], pp_mesh, context: StepContext):
         super().__init__(model_parts, context)
         self.schedule, stages = build_pipeline_schedule(plan, model_parts, pp_mesh, context.device, token_sum_loss)
+        self.plan, self.pp_size = plan, pp_mesh.size()
         self.has_first = 0 in plan.local_stages
         self.has_last = plan.num_stages - 1 in plan.local_stages
         self.pp_group = pp_mesh.get_group()
@@ -212,7 +213,7 @@ class PipelineRunner(_Runner):
                 loss_kwargs={"global_tokens": global_tokens},
             )
         if losses:
-            return torch.stack([loss.detach() for loss in losses]).sum()
+            return torch.stack([to_local(loss.detach()) for loss in losses]).sum()
         return torch.zeros((), device=self.context.device)
 
     @torch.no_grad()
@@ -221,11 +222,11 @@ class PipelineRunner(_Runner):
         elsewhere (:meth:`sum_over_stages` shares them)."""
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
-        with self.context.autocast(), self.context.loss_and_positions():
+        with self.context.autocast(), self.context.loss_and_positions(), evaluation_order(self.schedule, self.plan, self.pp_size):
             self.schedule.eval(*args, target=labels if self.has_last else None, losses=losses)
         total = torch.zeros((), device=self.context.device, dtype=torch.float64)
-        for loss in losses:
-            total += loss.double()
+        for loss in losses:  # a Replicate DTensor under loss parallel (tensor parallel on the last stage)
+            total += to_local(loss).double()
         tokens = (labels != IGNORE_INDEX).sum() if self.has_last else torch.zeros((), dtype=torch.int64, device=labels.device)
         return total, tokens
 

@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _build_and_train(cfg, rank: int, trainer_cls, diverged_error) -> int:
+    from engine.trainer import AfterStepError
+
     try:
         trainer = trainer_cls(cfg)
     except (ValueError, FileNotFoundError) as error:
@@ -92,6 +94,8 @@ def _build_and_train(cfg, rank: int, trainer_cls, diverged_error) -> int:
         ranks_alive = True
     except diverged_error as error:
         ranks_alive = True
+        return _fail(rank, "training stopped", error, 1)
+    except AfterStepError as error:  # the step was saved first; its message names what is safe
         return _fail(rank, "training stopped", error, 1)
     finally:
         # After any other failure, close what can be closed without waiting on other ranks.

@@ -24,10 +24,11 @@ import torch.distributed as dist
 
 from engine.attribution import CommTimer, comm_seconds_by_dim, step_attribution
 from engine.checkpoint import CheckpointManager
+from engine.checkpoint import files as checkpoint_files
 from engine.config import JobConfig, config_to_toml
 from engine.data import build_dataloader, build_validation_dataloader
 from engine.data.tokenizer import Tokenizer
-from engine.distributed import init_distributed
+from engine.distributed import init_distributed, is_peer_failure
 from engine.loss import IGNORE_INDEX
 from engine.lr_scheduler import build_lr_scheduler
 from engine.metrics import MetricsLogger
@@ -50,6 +51,11 @@ HISTORY_STEPS = 1000  # per-step records kept in memory (all of them are in metr
 
 class TrainingDivergedError(RuntimeError):
     """The loss became NaN or Inf; raised on every rank at the same step."""
+
+
+class AfterStepError(RuntimeError):
+    """Reporting after a trained and saved step failed (profiler trace, metrics, validation); the
+    message is one line naming the phase, the step, the reason and the newest complete checkpoint."""
 
 
 class Trainer:
@@ -125,9 +131,11 @@ class Trainer:
                                 dp_degree=self.parallel_dims.dp, seed=t.seed)
 
     def _build_validation_loader(self):
+        """Batches of global_batch_size / dp sequences per rank: a validation step covers the same
+        windows whatever local_batch_size and dp are (``validate`` cuts them to local batches)."""
         return build_validation_dataloader(self.cfg.validation, self.cfg.data, self.tokenizer,
                                            seq_len=self.cfg.training.seq_len,
-                                           local_batch_size=self.cfg.training.local_batch_size,
+                                           local_batch_size=self.global_batch_size // self.parallel_dims.dp,
                                            dp_rank=self.dp_rank, dp_degree=self.parallel_dims.dp)
 
     def _build_model(self) -> list[torch.nn.Module]:
@@ -261,16 +269,19 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def validate(self) -> float:
-        """Mean token loss (nats) over ``validation.steps`` batches of the validation split."""
+        """Mean token loss (nats) over ``validation.steps`` global batches of the validation split,
+        evaluated in batches of ``training.local_batch_size`` (the shapes training runs)."""
         if self._val_loader is None:  # each iteration of the loader restarts the split
             self._val_loader = self._build_validation_loader()
         for part in self.model_parts:
             part.eval()
         totals = torch.zeros(2, device=self.device, dtype=torch.float64)  # [loss sum, label tokens]
-        for inputs, labels in self._val_loader:
-            loss, tokens = self.runner.evaluate(*self.runner.context.shard(inputs, labels))
-            totals[0] += loss
-            totals[1] += tokens
+        local = self.cfg.training.local_batch_size
+        for rank_inputs, rank_labels in self._val_loader:
+            for inputs, labels in zip(rank_inputs.split(local), rank_labels.split(local)):
+                loss, tokens = self.runner.evaluate(*self.runner.context.shard(inputs, labels))
+                totals[0] += loss
+                totals[1] += tokens
         for part in self.model_parts:
             part.train()
         self.runner.sum_over_stages(self._dp_sum(totals))
@@ -308,22 +319,18 @@ class Trainer:
                 record["step"] = self.step
                 self.tokens_seen += record["global_tokens"]
                 self.history.append(record)
-                self.metrics.record_step(
-                    tokens=record["tokens"], step_seconds=record["step_seconds"], data_seconds=record["data_seconds"]
-                )
-                if self.metrics.should_log(self.step):
-                    keys = ("loss", "grad_norm", "lr", "epoch", "pp_bubble_fraction")
-                    logged = {key: record[key] for key in keys if key in record}
-                    phases = record.pop("phases", None)
-                    times = step_attribution(step_s=record["step_seconds"], **phases) if phases else {}
-                    self.metrics.log(self.step, {**logged, **record["model_metrics"]}, files_only=times)
-                if gc_freq > 0 and self.step % gc_freq == 0:
-                    gc.collect(1)
-                v = self.cfg.validation
-                if v.enable and (self.step % v.freq == 0 or self.step == last):
-                    val_loss = self.validate()
-                    self.metrics.log_validation(self.step, val_loss, math.exp(min(val_loss, 50.0)))
-                self.checkpointer.maybe_save(self.step, final=self.step == self.cfg.training.steps)
+                # The step is done: save it before anything that can fail after it (reports,
+                # validation, trace files), so that a failure there never loses it.
+                final = self.step == self.cfg.training.steps
+                self.checkpointer.maybe_save(self.step, final=final)
+                if final:
+                    self.checkpointer.wait()  # the last step is complete on disk before validation
+                try:
+                    self._after_step(record, last)
+                except Exception as error:
+                    if is_peer_failure(error):
+                        raise
+                    raise AfterStepError(self._after_step_message(error)) from error
                 self.stopped_by = self.stop_request.agreed()
                 if self.stopped_by and self.cfg.checkpoint.enable:  # every rank agrees: save together
                     self.checkpointer.save(self.step, wait=True)
@@ -332,6 +339,44 @@ class Trainer:
             if gc_freq > 0:
                 gc.enable()
         return list(self.history)
+
+    def _after_step(self, record: dict, last: int) -> None:
+        """What follows a saved step: the profiler's trace, metrics and (when due) validation."""
+        self._after_step_phase = "profiler"
+        self.profiler.write(self.step)
+        self._after_step_phase = "metrics"
+        self.metrics.record_step(tokens=record["tokens"], step_seconds=record["step_seconds"],
+                                 data_seconds=record["data_seconds"])
+        if self.metrics.should_log(self.step):
+            keys = ("loss", "grad_norm", "lr", "epoch", "pp_bubble_fraction")
+            logged = {key: record[key] for key in keys if key in record}
+            phases = record.pop("phases", None)
+            times = step_attribution(step_s=record["step_seconds"], **phases) if phases else {}
+            self.metrics.log(self.step, {**logged, **record["model_metrics"]}, files_only=times)
+        if self.cfg.training.gc_freq > 0 and self.step % self.cfg.training.gc_freq == 0:
+            gc.collect(1)
+        v = self.cfg.validation
+        if v.enable and (self.step % v.freq == 0 or self.step == last):
+            self._after_step_phase = "validation"
+            val_loss = self.validate()
+            self._after_step_phase = "metrics"
+            self.metrics.log_validation(self.step, val_loss, math.exp(min(val_loss, 50.0)))
+
+    def _after_step_message(self, error: BaseException) -> str:
+        """One line for a failure after step ``self.step`` was trained: what failed, and what is safe."""
+        phase = getattr(self, "_after_step_phase", "reporting")
+        reason = (str(error).strip().splitlines() or [""])[0][:300] or "(no message)"
+        saved = checkpoint_files.scan(self.checkpointer.folder).latest if self.cfg.checkpoint.enable else None
+        if saved is None:
+            kept = "no checkpoint holds it (checkpoint.enable = false)" if not self.cfg.checkpoint.enable \
+                else "no checkpoint was complete yet"
+        else:
+            kept = f"checkpoint step-{saved} is complete; the same command resumes from it"
+        fix = {"validation": "set validation.enable = false to train on without it",
+               "profiler": "set profiling.enable = false",
+               "metrics": "check the run folder's disk space and permissions"}.get(phase, "")
+        return (f"{phase} after step {self.step} failed ({type(error).__name__}: {reason}); {kept}"
+                f"{'; ' + fix if fix else ''}; QUADRA_TRACEBACK=1 shows the traceback")
 
     def close(self, wait: bool = True) -> None:
         """Finish a checkpoint in flight (``wait``: skipped after a failure, since it may need other

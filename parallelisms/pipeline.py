@@ -15,6 +15,7 @@ keys stay global ("layers.7"), so weights initialize and checkpoint the same as 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Callable
 
@@ -22,7 +23,14 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import _PipelineSchedule, get_schedule_class
+from torch.distributed.pipelining.schedules import (
+    _Action,
+    _add_send_recv,
+    _add_unshard_reshard,
+    _ComputationType,
+    _PipelineSchedule,
+    get_schedule_class,
+)
 
 from parallelisms.pipeline_plan import (  # noqa: F401  (re-exported: the planning half of pipeline parallel)
     KNOWN_SCHEDULES,
@@ -77,6 +85,48 @@ class _InferenceFreeStage(PipelineStage):
         self._buffer_snapshot = None
 
 
+def forward_only_actions(num_stages: int, n_microbatches: int,
+                         stage_ranks: dict[int, tuple[int, ...]]) -> dict[int, list[_Action]]:
+    """An evaluation order for any stage placement, lowered with torch's own passes (the FSDP
+    unshard/reshard and the sends and receives): every rank runs the forwards of its stages, the
+    lowest stage first, all microbatches of one stage before the next (the forward half of Looped
+    BFS, Lamy-Poirier arXiv 2211.05953). It cannot deadlock: stage s waits only for stage s - 1,
+    which its rank ran earlier or another rank runs without waiting on stage s.
+
+    Args:
+        num_stages: K; n_microbatches: M; stage_ranks: for every pp rank, the stages it holds.
+
+    Returns:
+        {pp rank: actions}, the form of ``_PipelineScheduleRuntime.pipeline_order_with_comms``.
+    """
+    rank_of = {stage: rank for rank, ids in stage_ranks.items() for stage in ids}
+    compute = {
+        rank: _add_unshard_reshard([_Action(stage, _ComputationType.FORWARD, mb)
+                                    for stage in sorted(ids) for mb in range(n_microbatches)])
+        for rank, ids in stage_ranks.items()
+    }
+    return _add_send_recv(compute, stage_to_rank=rank_of.__getitem__, num_stages=num_stages)
+
+
+@contextlib.contextmanager
+def evaluation_order(schedule: _PipelineSchedule, plan: PipelinePlan, pp_size: int):
+    """Around ``schedule.eval()``: the V-shaped schedules (ZBVZeroBubble, DualPipeV) run
+    :func:`forward_only_actions` instead of their own actions, whose split backward torch's
+    ``eval()`` keeps and fails on ("can't steal_bwd_input if this stage doesn't have backward",
+    torch 2.13). The same schedule object runs both, so that torch's eval/train switch of its
+    stages stays its own. Other schedules evaluate with their own actions."""
+    if plan.schedule_name not in V_SCHEDULES:
+        yield
+        return
+    stage_ranks = {rank: stage_ids_for_rank(rank, pp_size, plan.num_stages, v_style=True) for rank in range(pp_size)}
+    training = schedule.pipeline_order_with_comms
+    schedule.pipeline_order_with_comms = forward_only_actions(plan.num_stages, plan.n_microbatches, stage_ranks)
+    try:
+        yield
+    finally:
+        schedule.pipeline_order_with_comms = training
+
+
 def build_pipeline_schedule(
     plan: PipelinePlan,
     stage_modules: list[nn.Module],
@@ -101,3 +151,4 @@ def build_pipeline_schedule(
     else:
         schedule = cls(stages[0], n_microbatches=plan.n_microbatches, loss_fn=loss_fn, scale_grads=False)
     return schedule, stages
+

@@ -235,6 +235,7 @@ def test_memory_snapshot_after_the_traced_steps(tmp_path):
         x = torch.randn(1024, 1024, device="cuda")
         (x @ x).sum().item()
         profiler.step_end(1)
+        profiler.write(1)
     finally:
         profiler.close()
     files = sorted(p.name for p in (tmp_path / "traces").iterdir())

@@ -14,11 +14,20 @@ PARITY_STEPS = 5
 # of models/moe/flavors.py unless a test names another.
 FLAVOR = "debugmodel_tiny"
 MOE_FLAVOR = "debugmodel_tiny"
-MAX_NORM = 0.3
-# Adam's eps and the learning rate decide how much a wrong clipping factor moves the weights:
-# clipping by 0.3 instead of 0.3 * sqrt(2) (a norm reduced over one of two ranks only) moves the loss
-# of steps 3-5 by 2.6-3.5e-4, over the 1e-4 parity tolerance; with eps 1e-8, 1e-7.
-EPS, LR = 1e-4, 3e-3
+# Clipping on both sides of the threshold: at this learning rate the grad norm of the 5-step run
+# rises from 0.54 (steps 1-3, under MAX_NORM: no clipping) to 0.77-0.79 (steps 4-5, clipped by
+# 0.83). A clip that also scaled gradients *up* below the threshold (by 1.2 at step 1) moves the
+# loss of step 2 by 4e-4, over the 1e-4 parity tolerance; one that never clips moves step 5's.
+# conftest.py's `reference` checks that both sides are present with a 10 % margin.
+MAX_NORM = 0.65
+CLIP_MARGIN = 0.1
+# Adam's eps and the learning rate decide how much a wrong clipping factor moves the weights: with
+# eps near the gradients' RMS (~7e-4 here) the update follows the gradients' scale; with eps 1e-8
+# Adam would cancel any constant factor.
+EPS, LR = 1e-4, 3e-2
+# Validation in every run, as in the default config (mid-run after steps 2 and 4, and at the end):
+# one batch per dp rank of the small corpus, compared with one process's like the training loss.
+VALIDATION_FREQ = 2
 # 32 tokens: divisible by 2·cp·tp = 8 of every cp layout; a step costs half of 64's.
 SEQ_LEN = 32
 
@@ -26,15 +35,15 @@ SEQ_LEN = 32
 def base_args(dump_folder: str, overrides: dict | None = None) -> list[str]:
     """CLI arguments of a 5-step fp32 run of the tests' flavor (:data:`FLAVOR`, :data:`MOE_FLAVOR`
     for ``model.name = "moe"``, unless ``overrides`` names one) on the small corpus (global batch 8 × 32 tokens), on the CPU, with gradient clipping
-    engaged at every step."""
+    engaged on some steps and not on others (see MAX_NORM)."""
     settings = {
         "model.flavor": FLAVOR,
         "job.dump_folder": dump_folder,
         "job.print_config": "false",
         # CPU even where CUDA exists: these tests compare gloo layouts with one CPU process.
         "job.device": "cpu",
-        # Below the grad norm of every step (0.54-0.56 here): clipping scales every update, so a
-        # wrong norm reduction over any mesh changes the weights and the next step's loss.
+        # Between the grad norms of steps 1-3 and of steps 4-5 (see MAX_NORM): a wrong norm
+        # reduction over any mesh changes the logged norm, a wrong clip the next step's loss.
         "training.max_norm": str(MAX_NORM),
         # Adam divides each update by sqrt(v) + eps, which cancels any constant scale of the
         # gradients when eps is tiny: a wrong clipping factor would then leave the weights almost
@@ -50,8 +59,12 @@ def base_args(dump_folder: str, overrides: dict | None = None) -> list[str]:
         "lr_scheduler.warmup_steps": "2",
         "metrics.log_freq": "1",
         "metrics.enable_tensorboard": "false",
+        # On, as users run it (the default config validates): every layout's evaluation is checked.
+        "validation.enable": "true",
+        "validation.path": SMALL_CORPUS,
+        "validation.freq": str(VALIDATION_FREQ),
+        "validation.steps": "1",
         # Off unless a test is about them: each costs start-up or per-step time in every run.
-        "validation.enable": "false",
         "metrics.time_attribution": "false",
         "comm.init_timeout_seconds": "60",
     }
@@ -88,12 +101,23 @@ def gradient_placement_errors(params) -> list[str]:
     return errors
 
 
-def train_and_record(argv: list[str]) -> list[tuple[float, float]]:
-    """Build a Trainer from CLI-style arguments, train, return [(loss, grad_norm)] per step.
+class History(list):
+    """[(loss, grad_norm)] per step, as every rank logged them, with what else the run reported:
+    ``validation`` [(step, validation loss)] and ``model_metrics`` [{name: value}] per step (e.g.
+    the MoE routing counts; empty dicts for LLaMA)."""
+
+    def __init__(self, steps=(), validation=(), model_metrics=()):
+        super().__init__(steps)
+        self.validation = list(validation)
+        self.model_metrics = list(model_metrics)
+
+
+def train_and_record(argv: list[str]) -> History:
+    """Build a Trainer from CLI-style arguments, train, return the :class:`History` of every step.
 
     Before every optimizer step, every gradient must be laid out like its parameter
     (:func:`gradient_placement_errors`): so each parity layout also checks that no rank holds more
-    gradient than its shard of the parameter.
+    gradient than its shard of the parameter. Every validation the loop runs is recorded.
     """
     from engine.config import load_config
     from engine.trainer import Trainer
@@ -107,20 +131,51 @@ def train_and_record(argv: list[str]) -> list[tuple[float, float]]:
         assert not errors, "gradients not laid out like their parameters: " + "; ".join(errors)
 
     trainer.optimizer.register_step_pre_hook(check_placements)
+    validation, validate = [], trainer.validate
+
+    def record_validation():
+        loss = validate()
+        validation.append((trainer.step, loss))
+        return loss
+
+    trainer.validate = record_validation
     try:
         history = trainer.train()
     finally:
         trainer.close()
-    return [(h["loss"], h["grad_norm"]) for h in history]
+    return History([(h["loss"], h["grad_norm"]) for h in history], validation,
+                   [h["model_metrics"] for h in history])
 
 
 def assert_parity(got: list[tuple[float, float]], want: list[tuple[float, float]]) -> None:
-    """Loss and grad norm: relative 1e-5 at step 1, 1e-4 at every step (fp32 standard)."""
+    """Loss and grad norm: relative 1e-5 at step 1, 1e-4 at every step (fp32 standard). Where both
+    are :class:`History` records, also the validation losses (1e-5, as the issue of the validation
+    defect asks; the runs must have validated at the same steps) and the model metrics (as the loss
+    of the same step)."""
     assert len(got) == len(want) == PARITY_STEPS, (len(got), len(want))
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, want), start=1):
         tol = 1e-5 if step == 1 else 1e-4
         assert math.isclose(loss, ref_loss, rel_tol=tol), f"step {step}: loss {loss} vs {ref_loss}"
         assert math.isclose(norm, ref_norm, rel_tol=tol), f"step {step}: grad_norm {norm} vs {ref_norm}"
+    if not (isinstance(got, History) and isinstance(want, History)):
+        return
+    assert [s for s, _ in got.validation] == [s for s, _ in want.validation], (got.validation, want.validation)
+    for (step, loss), (_, ref_loss) in zip(got.validation, want.validation):
+        assert math.isclose(loss, ref_loss, rel_tol=1e-5), f"validation after step {step}: {loss} vs {ref_loss}"
+    for step, (metrics, ref_metrics) in enumerate(zip(got.model_metrics, want.model_metrics), start=1):
+        assert metrics.keys() == ref_metrics.keys(), (step, metrics, ref_metrics)
+        tol = 1e-5 if step == 1 else 1e-4
+        for name, value in metrics.items():
+            assert math.isclose(value, ref_metrics[name], rel_tol=tol, abs_tol=1e-9), \
+                f"step {step}: {name} {value} vs {ref_metrics[name]}"
+
+
+def clipping_sides(history: list[tuple[float, float]], max_norm: float = MAX_NORM) -> tuple[int, int]:
+    """(steps clipped, steps not clipped) of a history, counting only norms at least
+    :data:`CLIP_MARGIN` away from ``max_norm`` (a step near it tells a wrong clip little)."""
+    above = sum(norm > max_norm * (1 + CLIP_MARGIN) for _, norm in history)
+    below = sum(norm < max_norm * (1 - CLIP_MARGIN) for _, norm in history)
+    return above, below
 
 
 def run_in_turn(layouts: dict[str, dict], run_one) -> dict[str, object]:

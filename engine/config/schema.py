@@ -84,7 +84,8 @@ class ValidationSection:
     enable: bool = _opt(False, "run validation during training")
     path: str = _opt("assets/data/shakespeare/validation.jsonl", "validation corpus (same formats as data.path)")
     freq: int = _opt(100, "evaluate every N steps")
-    steps: int = _opt(10, "batches per evaluation (-1: the whole split)")
+    steps: int = _opt(10, "global batches (training.global_batch_size sequences each, the same windows "
+                          "whatever the layout) per evaluation (-1: the whole split)")
 
 
 @dataclass

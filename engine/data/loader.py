@@ -285,8 +285,8 @@ def build_validation_dataloader(validation_cfg, data_cfg, tokenizer: Tokenizer, 
                                   dp_degree=dp_degree, steps=steps, streaming=bool(data_cfg.streaming))
     if not make().ensure(local_batch_size * dp_degree - 1):
         raise ValueError(
-            f"validation.path={validation_cfg.path!r} holds fewer than training.local_batch_size * "
-            f"dp degree = {local_batch_size * dp_degree} windows of {seq_len + 1} tokens, not one "
-            "validation batch; use a larger split or a smaller local_batch_size/seq_len"
+            f"validation.path={validation_cfg.path!r} holds fewer than training.global_batch_size = "
+            f"{local_batch_size * dp_degree} windows of {seq_len + 1} tokens, not one validation "
+            "batch; use a larger split or a smaller global_batch_size/seq_len"
         )
     return loader
