@@ -36,6 +36,9 @@ LAYOUTS = {
     ),
     # Expert parallel over the context-parallel ranks (each holds half of every sequence).
     "ep2_over_cp2": (2, {**MOE, "parallelism.cp": 2, "parallelism.dp_shard": 1, "parallelism.ep": 2}),
+    # The sequence-wise balance loss in the objective under context parallel: each cp rank adds its
+    # share of the whole sequence's loss (taken per half-sequence, it changed loss and gradients).
+    "mixtral_cp2_aux_loss": (2, {**MIXTRAL, "parallelism.cp": 2, "parallelism.dp_shard": 1}),
     # Each expert group of 2 ranks is FSDP-sharded over the other 2 ranks (dp_shard_mod_ep = 2).
     "ep2_x_fsdp2": (4, {**MOE, "parallelism.dp_shard": 4, "parallelism.ep": 2, "training.local_batch_size": 2}),
     # HSDP: ep inside dp_shard = 2, experts replicated over dp_replicate = 2 (the run_train.sh

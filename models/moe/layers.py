@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -266,6 +267,8 @@ class MoE(nn.Module):
         # 1 / (sequences per optimizer step): makes the balance loss a mean over sequences; set by
         # the parallelize function, which knows the batch geometry.
         self.aux_loss_scale = 1.0
+        # The context-parallel group: each sequence's tokens are spread over it (see _balance_loss).
+        self.cp_group: dist.ProcessGroup | None = None
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
         self.register_buffer("balance_loss_sum", torch.zeros(()), persistent=False)
         self.register_buffer("dropped_slots", torch.zeros(()), persistent=False)
@@ -305,13 +308,20 @@ class MoE(nn.Module):
 
         f_i = (E / (K·S)) · (slots of the sequence choosing expert i), P_i = mean over the sequence
         of the normalized score of expert i. 1 per sequence when routing is uniform. Per sequence,
-        so it does not depend on how sequences are split over ranks.
+        so it does not depend on how sequences are split over ranks. Under context parallel
+        (``cp_group`` set) a rank holds S / cp tokens of each sequence: f_i is summed over the cp
+        group (no gradient flows through the counts) and this rank returns its share of the sum in
+        P_i, so the cp ranks' values add up to the whole sequences' loss and gradient.
         """
         probs = scores / scores.sum(dim=-1, keepdim=True) if self.router.score_func == "sigmoid" else scores
-        probs = probs.view(bsz, seqlen, self.num_experts).mean(dim=1)  # [B, E]
-        chosen = F.one_hot(expert_ids.view(bsz, seqlen * self.top_k), self.num_experts).sum(dim=1)
-        f = chosen.float() * (self.num_experts / (self.top_k * seqlen))
-        return (f * probs).sum()
+        probs = probs.view(bsz, seqlen, self.num_experts).sum(dim=1)  # [B, E], this rank's tokens
+        chosen = F.one_hot(expert_ids.view(bsz, seqlen * self.top_k), self.num_experts).sum(dim=1).float()
+        sequence_tokens = seqlen
+        if self.cp_group is not None:
+            dist.all_reduce(chosen, op=dist.ReduceOp.SUM, group=self.cp_group)
+            sequence_tokens = seqlen * dist.get_world_size(self.cp_group)
+        f = chosen * (self.num_experts / (self.top_k * sequence_tokens))
+        return (f * probs / sequence_tokens).sum()
 
     @torch.no_grad()
     def update_bias(self, global_counts: torch.Tensor) -> None:

@@ -66,7 +66,7 @@ class MoETransformer(Transformer):
     def set_aux_loss_scale(self, sequences_per_step: int) -> None:
         """Make the balance loss a mean over the ``sequences_per_step`` sequences of an optimizer
         step (all ranks, all microbatches), so its gradient does not depend on the layout (under
-        context parallel: over the sequences' cp pieces, each a "sequence" of the loss)."""
+        context parallel each cp rank adds its share of a sequence's loss, MoE._balance_loss)."""
         for layer in self.moe_layers():
             layer.aux_loss_scale = 1.0 / sequences_per_step
 

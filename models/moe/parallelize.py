@@ -69,11 +69,14 @@ def parallelize_moe(
     Returns:
         The same module, parallelized.
     """
-    # Context parallel splits each sequence into cp pieces, and the balance loss (like a capacity)
-    # is then taken per piece: a mean over pieces keeps it near 1 when routing is balanced.
-    model.set_aux_loss_scale(global_batch_size * parallel_dims.cp)
+    # The balance loss is a mean over the step's sequences; under context parallel each cp rank
+    # adds its share of every sequence's loss (MoE._balance_loss), the same value as one process.
+    model.set_aux_loss_scale(global_batch_size)
     if parallel_dims.mesh_built:
         model.token_group = parallel_dims.mesh("dp_cp").get_group()
+        if parallel_dims.cp_enabled:
+            for moe in model.moe_layers():
+                moe.cp_group = parallel_dims.mesh("cp").get_group()
     if parallel_dims.tp_enabled:
         for moe in model.moe_layers():
             _apply_tp_moe(moe, parallel_dims.mesh("tp"), parallelism_cfg.sequence_parallel, parallel_dims.ep_enabled)
