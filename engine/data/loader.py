@@ -16,7 +16,6 @@ background thread (`READ_AHEAD` microbatches), so a step does not wait for the d
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -25,8 +24,8 @@ import torch
 from engine.data.batch_sizes import resolve_batch_sizes  # noqa: F401  (re-exported)
 
 from engine.data.packing import MapWindows, StreamWindows, pack_documents
-from engine.data.prepared import is_prepared, parse_mixture, tokenizer_identity
-from engine.data.prepared_windows import MixtureWindows, PreparedWindows
+from engine.data.prepared import is_prepared
+from engine.data.prepared_windows import PreparedWindows, build_mixture
 from engine.data.sources import iter_text_batches, load_documents
 from engine.data.tokenizer import Tokenizer
 
@@ -303,34 +302,6 @@ def _make_source(path: str, setting: str, data_cfg, tokenizer: Tokenizer, *, spl
     return lambda: source
 
 
-def _metric_names(paths: list[str]) -> list[str]:
-    """Short names of the mixture's sets for metric keys: the folder names (made unique)."""
-    names = []
-    for i, path in enumerate(paths):
-        name = re.sub(r"[^A-Za-z0-9_]+", "_", path.rstrip("/").rsplit("/", 1)[-1]) or f"set{i}"
-        names.append(name if name not in names else f"{name}_{i}")
-    return names
-
-
-def _make_mixture(entries: list[str], tokenizer: Tokenizer, *, seq_len: int, shuffle: bool, seed: int,
-                  infinite: bool) -> MixtureWindows:
-    """The `data.mixture` sets (each a prepared folder) and their schedule."""
-    parsed = parse_mixture(entries)
-    identity = tokenizer_identity(tokenizer)
-    sources = []
-    for i, (path, _) in enumerate(parsed):
-        if not is_prepared(path):
-            raise ValueError(f"data.mixture entry {path!r} is not a prepared folder (no manifest.json); prepare it "
-                             "with scripts/prepare_data.py")
-        sources.append(PreparedWindows(path, tokenizer, seq_len=seq_len, shuffle=shuffle, seed=seed,
-                                       infinite=infinite, stream=i, setting="data.mixture", identity=identity))
-    mixture = MixtureWindows(sources, [w for _, w in parsed], _metric_names([p for p, _ in parsed]))
-    for (path, weight), name, count, source in zip(parsed, mixture.names, mixture.schedule.counts, sources):
-        logger.info("data.mixture: %s (%s) weight %g -> %d of every %d windows; %d tokens, %d windows per epoch",
-                    path, name, weight, count, mixture.schedule.block, source.num_tokens, source.windows_per_epoch)
-    return mixture
-
-
 def build_dataloader(data_cfg, tokenizer: Tokenizer, *, seq_len: int, local_batch_size: int,
                      global_batch_size: int, dp_rank: int, dp_degree: int, seed: int,
                      infinite: bool = True) -> PackedDataLoader:
@@ -363,7 +334,7 @@ def build_dataloader(data_cfg, tokenizer: Tokenizer, *, seq_len: int, local_batc
     if data_cfg.shuffle and streaming:
         logger.info("data.shuffle applies to map-style data only: streaming reads documents in order")
     if mixture:
-        source = _make_mixture(mixture, tokenizer, seq_len=seq_len, shuffle=shuffle, seed=seed, infinite=infinite)
+        source = build_mixture(mixture, tokenizer, seq_len=seq_len, shuffle=shuffle, seed=seed, infinite=infinite)
     else:
         source = _make_source(data_cfg.path, "data.path", data_cfg, tokenizer, split=data_cfg.split,
                               seq_len=seq_len, shuffle=shuffle, seed=seed, infinite=infinite)()

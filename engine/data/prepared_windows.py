@@ -16,14 +16,19 @@ pages the windows touch).
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from engine.data.order import MixtureSchedule, WindowPermutation
-from engine.data.prepared import PreparedDataError, content_id, open_checked, tokenizer_identity
+from engine.data.prepared import (PreparedDataError, content_id, is_prepared, open_checked, parse_mixture,
+                                  tokenizer_identity)
+
+logger = logging.getLogger("quadra.data")
 
 
 def _open_shards(folder: str, manifest: dict, where: str) -> list[np.ndarray]:
@@ -155,3 +160,36 @@ class MixtureWindows:
     def tokens_by_source(self, position: int) -> dict[str, int]:
         """Label tokens (S per window) each set contributed to the global positions [0, position)."""
         return {name: count * self.seq_len for name, count in zip(self.names, self.schedule.count_before(position))}
+
+
+def _metric_names(paths: list[str]) -> list[str]:
+    """Short names of the mixture's sets for metric keys: the folder names (made unique)."""
+    names = []
+    for i, path in enumerate(paths):
+        name = re.sub(r"[^A-Za-z0-9_]+", "_", path.rstrip("/").rsplit("/", 1)[-1]) or f"set{i}"
+        names.append(name if name not in names else f"{name}_{i}")
+    return names
+
+
+def build_mixture(entries: list[str], tokenizer, *, seq_len: int, shuffle: bool, seed: int,
+                  infinite: bool) -> MixtureWindows:
+    """The ``data.mixture`` sets (``["path:weight", ...]``, each a prepared folder) and their schedule.
+
+    Raises:
+        PreparedDataError, ValueError: a bad entry, a folder that is not a prepared set, or as
+            ``PreparedWindows``.
+    """
+    parsed = parse_mixture(entries)
+    identity = tokenizer_identity(tokenizer)
+    sources = []
+    for i, (path, _) in enumerate(parsed):
+        if not is_prepared(path):
+            raise PreparedDataError(f"data.mixture entry {path!r} is not a prepared folder (no manifest.json); prepare it "
+                                    "with scripts/prepare_data.py")
+        sources.append(PreparedWindows(path, tokenizer, seq_len=seq_len, shuffle=shuffle, seed=seed,
+                                       infinite=infinite, stream=i, setting="data.mixture", identity=identity))
+    mixture = MixtureWindows(sources, [w for _, w in parsed], _metric_names([p for p, _ in parsed]))
+    for (path, weight), name, count, source in zip(parsed, mixture.names, mixture.schedule.counts, sources):
+        logger.info("data.mixture: %s (%s) weight %g -> %d of every %d windows; %d tokens, %d windows per epoch",
+                    path, name, weight, count, mixture.schedule.block, source.num_tokens, source.windows_per_epoch)
+    return mixture
