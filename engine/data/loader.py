@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -26,6 +25,7 @@ from engine.data.batch_sizes import resolve_batch_sizes  # noqa: F401  (re-expor
 from engine.data.packing import MapWindows, StreamWindows, pack_documents
 from engine.data.prepared import is_prepared
 from engine.data.prepared_windows import PreparedWindows, build_mixture
+from engine.data.readahead import ReadAhead
 from engine.data.sources import iter_text_batches, load_documents
 from engine.data.tokenizer import Tokenizer
 
@@ -87,8 +87,7 @@ class PackedDataLoader:
         self._microbatch = 0  # next microbatch within that step, in [0, grad_accum_steps)
         self._logged_epoch = 0
         self.read_ahead = read_ahead
-        self._executor: ThreadPoolExecutor | None = None
-        self._pending: dict[int, Future] = {}  # first window position -> its gather
+        self._reader: ReadAhead | None = None
 
     @property
     def epoch(self) -> int:
@@ -123,38 +122,36 @@ class PackedDataLoader:
     def _gather(self, start: int) -> torch.Tensor:
         return self.source.gather(range(start, start + self.local_batch_size))
 
-    def _upcoming(self) -> list[int]:
-        """First window positions of this rank's next ``read_ahead + 1`` microbatches, from now."""
+    def _starts(self) -> Iterator[int]:
+        """First window positions of this rank's microbatches from the current state on, up to the
+        last full step (the rule of `next_batch`)."""
         L, A = self.local_batch_size, self.grad_accum_steps
-        position, microbatch, starts = self._position, self._microbatch, []
-        for _ in range(self.read_ahead + 1):
-            starts.append(position + self.dp_rank * L * A + microbatch * L)
+        position, microbatch = self._position, self._microbatch
+        while True:
+            if microbatch == 0 and not self.source.infinite and not self.source.ensure(position + self.global_batch_size - 1):
+                return
+            yield position + self.dp_rank * L * A + microbatch * L
             microbatch += 1
             if microbatch == A:
                 microbatch, position = 0, position + self.global_batch_size
-        return starts
 
     def _fetch(self, start: int) -> torch.Tensor:
-        """The windows [start, start + L): from the read-ahead thread, which is then given the next ones."""
+        """The windows [start, start + L), from the read-ahead thread when there is one."""
         if not self.read_ahead:
             return self._gather(start)
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="quadra-data")
-        for upcoming in self._upcoming():
-            if upcoming not in self._pending and self.source.ensure(upcoming + self.local_batch_size - 1):
-                self._pending[upcoming] = self._executor.submit(self._gather, upcoming)
-        for stale in [s for s in self._pending if s < start]:
-            self._pending.pop(stale).cancel()
-        return self._pending.pop(start).result()
+        if self._reader is None:
+            self._reader = ReadAhead(self._gather, self._starts(), self.read_ahead)
+        windows = self._reader.get(start)
+        if windows is None:  # the thread read other positions: read here, restart after this one
+            self.close()
+            windows = self._gather(start)
+        return windows
 
     def close(self) -> None:
         """Stop the read-ahead thread (a later `next_batch` starts it again)."""
-        for future in self._pending.values():
-            future.cancel()
-        self._pending.clear()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
 
     def log_metrics(self) -> dict[str, int]:
         """Per-source counters for metrics.jsonl: ``data_tokens_<set>`` = label tokens each set of a

@@ -27,6 +27,8 @@ import numpy as np
 
 ROUNDS = 6
 BLOCK = 10_000
+SCALAR_BELOW = 64  # fewer indices than this: Python integers (numpy's per-call overhead dominates)
+_FULL = (1 << 64) - 1
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
@@ -51,7 +53,19 @@ class WindowPermutation:
         self.half = max(1, ((n - 1).bit_length() + 1) // 2)
         self._mask = np.uint64((1 << self.half) - 1)
         digest = hashlib.sha512(f"quadra-window-order:{seed}:{stream}:{epoch}".encode()).digest()
-        self.keys = [np.uint64(int.from_bytes(digest[8 * j: 8 * j + 8], "little")) for j in range(ROUNDS)]
+        self._int_keys = [int.from_bytes(digest[8 * j: 8 * j + 8], "little") for j in range(ROUNDS)]
+        self.keys = [np.uint64(k) for k in self._int_keys]
+
+    def _feistel_int(self, x: int) -> int:
+        """``_feistel`` of one index with Python integers (the same function, bit for bit)."""
+        half, mask = self.half, int(self._mask)
+        left, right = x >> half, x & mask
+        for key in self._int_keys:
+            y = right ^ key
+            y = ((y ^ (y >> 30)) * 0xBF58476D1CE4E5B9) & _FULL
+            y = ((y ^ (y >> 27)) * 0x94D049BB133111EB) & _FULL
+            left, right = right, left ^ ((y ^ (y >> 31)) & mask)
+        return (left << half) | right
 
     def _feistel(self, x: np.ndarray) -> np.ndarray:
         half = np.uint64(self.half)
@@ -63,6 +77,14 @@ class WindowPermutation:
 
     def __call__(self, index: np.ndarray | int) -> np.ndarray:
         """perm_e of each index (int64 array of the input's shape; indices must be in [0, n))."""
+        if np.size(index) < SCALAR_BELOW:
+            out = []
+            for i in np.asarray(index, dtype=np.int64).reshape(-1).tolist():
+                i = self._feistel_int(i)
+                while i >= self.n:
+                    i = self._feistel_int(i)
+                out.append(i)
+            return np.asarray(out, dtype=np.int64).reshape(np.shape(index))
         x = self._feistel(np.asarray(index, dtype=np.uint64).reshape(-1))
         out = x.copy()
         pending = np.nonzero(out >= self.n)[0]
