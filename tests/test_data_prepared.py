@@ -138,7 +138,9 @@ def test_prepare_twice_is_byte_identical_and_a_complete_folder_is_left_alone(set
     assert out.returncode == 0, out.stderr
     assert "tokens/s" in out.stdout
     shard = dict(num_proc=1, log=quiet, shard_tokens=100)
-    prepare(a.raw, str(tmp_path / "once"), tok.path, **shard)
+    prepare(a.raw, str(tmp_path / "new" / "once"), tok.path, **shard)  # the parent folder is created
+    shutil.move(str(tmp_path / "new" / "once"), str(tmp_path / "once"))
+    os.rmdir(tmp_path / "new")
     files = sorted(os.listdir(tmp_path / "once"))
     assert len([f for f in files if f.startswith("tokens-")]) == -(-len(a.stream) // 100)  # shards of 100
     for name in files:  # 2 processes vs 1: the same bytes, manifest included

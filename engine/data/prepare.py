@@ -223,7 +223,8 @@ def prepare(source: str, output: str, tokenizer_path: str, *, text_column: str =
         return done
     ds = load_documents(source, text_column=text_column, split=split, setting="input",
                         column_setting="--text_column")
-    cache = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.cache-", dir=os.path.dirname(output) or ".")
+    os.makedirs(os.path.dirname(output), exist_ok=True)
+    cache = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.cache-", dir=os.path.dirname(output))
     try:
         started = time.perf_counter()
         ids = datasets.List(datasets.Value(token_dtype(tok.vocab_size).name))
