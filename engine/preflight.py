@@ -49,8 +49,10 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
         world_size: number of ranks the run will have (``NGPU × NNODES`` before launch).
         device_type: "cpu" or "cuda" (some rules, e.g. async TP, depend on it).
         check_data: also check that local ``data.path`` / ``validation.path`` exist and hold data
-            files of a supported type (hub dataset names are only checked by the ranks), and that
-            the checkpoint folder can be written (it is created).
+            files of a supported type (hub dataset names are only checked by the ranks), that
+            prepared folders (those paths and ``data.mixture``) are complete and made with the run's
+            tokenizer (engine/data/prepared.py), and that the checkpoint folder can be written (it
+            is created).
 
     Returns:
         a :class:`SetupPlan`.
@@ -71,7 +73,8 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
     p, t = cfg.parallelism, cfg.training
     parallel_dims = ParallelDims.from_config(p, world_size)
     global_batch, accum = resolve_batch_sizes(t.local_batch_size, t.global_batch_size, parallel_dims.dp)
-    vocab = Tokenizer(cfg.model.tokenizer_path).vocab_size
+    tokenizer = Tokenizer(cfg.model.tokenizer_path)
+    vocab = tokenizer.vocab_size
     spec, args, base_args, label = resolve_model(cfg.model, seq_len=t.seq_len, tokenizer_vocab_size=vocab)
     if spec.validate_parallelism_fn is not None:  # heads % tp, experts % ep, ...
         spec.validate_parallelism_fn(args, p, seq_len=t.seq_len, device_type=device_type,
@@ -83,7 +86,7 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
         plan_model_pipeline(p, args, local_batch_size=t.local_batch_size, pp_rank=0)
     _check_initial_load(cfg, base_args, label)
     if check_data:
-        _check_local_data(cfg)
+        _check_local_data(cfg, tokenizer)
         _check_checkpoint_folder(cfg)
     return SetupPlan(parallel_dims, spec, args, vocab, global_batch, accum,
                      model_record(cfg.model.name, base_args), label)
@@ -115,14 +118,23 @@ def _check_initial_load(cfg, args, label: str) -> None:
                          f"model with --model.args_path {path} (or choose the matching model.flavor)")
 
 
-def _check_local_data(cfg) -> None:
+def _check_local_data(cfg, tokenizer) -> None:
+    from engine.data.prepared import is_prepared, open_checked, parse_mixture, tokenizer_identity
     from engine.data.sources import looks_like_local_path, resolve_local_files
 
-    paths = [("data.path", cfg.data.path)]
+    mixture = parse_mixture(cfg.data.mixture)
+    paths = [("data.mixture", path) for path, _ in mixture] or [("data.path", cfg.data.path)]
     if cfg.validation.enable and cfg.validation.path:
         paths.append(("validation.path", cfg.validation.path))
+    identity = None
     for setting, path in paths:
-        if looks_like_local_path(path):
+        if is_prepared(path):
+            identity = identity or tokenizer_identity(tokenizer)
+            open_checked(path, setting, identity)  # complete, same tokenizer (no token is read)
+        elif setting == "data.mixture":
+            raise ValueError(f"data.mixture entry {path!r} is not a prepared folder (no manifest.json); prepare "
+                             "it with scripts/prepare_data.py")
+        elif looks_like_local_path(path):
             resolve_local_files(path, setting)
 
 

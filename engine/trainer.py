@@ -352,7 +352,8 @@ class Trainer:
             logged = {key: record[key] for key in keys if key in record}
             phases = record.pop("phases", None)
             times = step_attribution(step_s=record["step_seconds"], **phases) if phases else {}
-            self.metrics.log(self.step, {**logged, **record["model_metrics"]}, files_only=times)
+            self.metrics.log(self.step, {**logged, **record["model_metrics"]},
+                             files_only={**times, **self.dataloader.log_metrics()})
         if self.cfg.training.gc_freq > 0 and self.step % self.cfg.training.gc_freq == 0:
             gc.collect(1)
         v = self.cfg.validation

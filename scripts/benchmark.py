@@ -22,6 +22,10 @@ Cases (debugmodel, fp32, CPU, gloo; one intra-op thread per rank):
   ``grad_sync_each_microbatch`` true / false (the memory price of one reduction per step).
 - ``ac_compile``: step time with activation checkpointing (full, selective) and with compile
   (inductor where a C++ compiler exists, else aot_eager), over eager without AC.
+- ``data``: prepared data (scripts/benchmarks/data.py): synthetic prepared corpora of 10^7 and 10^9
+  tokens (2 GB, written and deleted here); time to the first batch and resident memory added by
+  the loader in a fresh process, resume at window 10^8 vs 0, the loader's tokens/s over the debug
+  model's; the bundled raw corpus's start-up for comparison.
 
 Discipline (scripts/benchmarks/harness.py): refuses to start a case while other processes use more
 than ``--max-load`` of the cores, drops warm-up steps, interleaves variants, reports medians with the
@@ -48,7 +52,7 @@ from scripts.benchmarks import runs  # noqa: E402
 from scripts.benchmarks.harness import MachineBusyError, Stat, guard_load, interleave, ratio_stat  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 
-CASES = ("loop", "scaling", "comm", "memory", "ac_compile")
+CASES = ("loop", "scaling", "comm", "memory", "ac_compile", "data")
 FSDP2 = {"parallelism.dp_shard": 2}
 DDP2 = {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 1}
 TP2 = {"parallelism.tp": 2, "parallelism.dp_shard": 1}
@@ -216,6 +220,44 @@ def case_ac_compile(b: Bench) -> None:
             out[name] = stat.as_dict()
             b.row("ac_compile", f"{name} step / eager", _fmt_ratio(stat))
     b.results["ac_compile"] = out
+
+
+def case_data(b: Bench) -> None:
+    from scripts.benchmarks import data
+
+    sizes = {"1e7": 10**7, "1e9": 10**9}
+    if shutil.disk_usage(b.folder).free < 3 * 10**9:
+        del sizes["1e9"]
+        b.row("data", "10^9-token corpus", f"skipped: less than 3 GB free in {b.folder}")
+    folders, out = {}, {"write_s": {}}
+    for name, n in sizes.items():
+        folders[name] = os.path.join(b.folder, f"synthetic_{name}")
+        out["write_s"][name] = data.write_synthetic(folders[name], n)
+        b.row("data", f"write a synthetic prepared corpus of {name} tokens", f"{out['write_s'][name]:.1f} s")
+    spec = {"seq_len": b.seq_len, "local_batch_size": b.local_batch_size, "seconds": 1.0}
+    runs_ = {f"{name}@{pos:g}": {**spec, "path": folder, "position": pos}
+             for name, folder in folders.items() for pos in (0, 10**8)}
+    runs_["raw@0"] = {**spec, "path": data.RAW_CORPUS, "position": 0}
+    samples = interleave({k: (lambda v=v: [data.measure_in_fresh_process(v)]) for k, v in runs_.items()},
+                         max(2, b.rounds // 2))
+    out["samples"] = samples
+    med = {k: {m: Stat.of([s[m] for s in v]).median for m in v[0]} for k, v in samples.items()}
+    model = b.timed("data_model", 1, {}, independent=True)[0]["step_s"]
+    model_rate = b.seq_len * b.local_batch_size / Stat.of(model).median
+    out.update(medians=med, model_tokens_per_s=model_rate)
+    for name in folders:
+        at0, at8 = med[f"{name}@0"], med[f"{name}@1e+08"]
+        b.row("data", f"{name} tokens: first batch at window 0 / at window 1e8",
+              f"{at0['first_batch_s']:.3f} s / {at8['first_batch_s']:.3f} s")
+        b.row("data", f"{name} tokens: RSS added by the loader (first batch)", f"{at0['rss_added_bytes'] / 2**20:.1f} MiB")
+        b.row("data", f"{name} tokens: loader tokens/s / debugmodel training tokens/s",
+              f"{at0['loader_tokens_per_s']:,.0f} / {model_rate:,.0f} = {at0['loader_tokens_per_s'] / model_rate:,.0f}x")
+    raw = med["raw@0"]
+    b.row("data", "before: raw train.jsonl (tokenized at start): first batch, RSS added",
+          f"{raw['first_batch_s']:.3f} s, {raw['rss_added_bytes'] / 2**20:.1f} MiB")
+    for folder in folders.values():
+        shutil.rmtree(folder, ignore_errors=True)
+    b.results["data"] = out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -70,11 +70,15 @@ class DataSection:
     """``[data]``: the training corpus."""
 
     path: str = _opt("assets/data/shakespeare/train.jsonl",
-                     "local file or folder (jsonl, json, txt, parquet) or a hub dataset name")
+                     "local file or folder (jsonl, json, txt, parquet), a hub dataset name, or a folder "
+                     "prepared by scripts/prepare_data.py (memory-mapped: O(1) start-up and resume)")
     text_column: str = _opt("text", "column/field holding the document text")
     split: str = _opt("train", "split name for hub datasets")
     streaming: bool = _opt(False, "stream the dataset instead of loading it into memory")
     shuffle: bool = _opt(True, "map-style only: shuffle packed windows each epoch (seeded by training.seed)")
+    mixture: list[str] = _opt([], 'weighted prepared folders read instead of data.path, e.g. ["out/web:0.7", '
+                                  '"out/code:0.3"] (CLI: out/web:0.7,out/code:0.3); weights are normalised, '
+                                  'interleaved by global position; tokens per set go to metrics.jsonl')
 
 
 @dataclass

@@ -69,7 +69,18 @@ def range_problems(cfg) -> list[str]:
     for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
         degree = getattr(p, name)
         checks.append((degree < 1, f"parallelism.{name}", degree, "must be >= 1 (1 disables it)"))
-    return [f"{key} = {toml_value(value)}: {fix}" for bad, key, value, fix in checks if bad]
+    return [f"{key} = {toml_value(value)}: {fix}" for bad, key, value, fix in checks if bad] + _mixture_problems(cfg)
+
+
+def _mixture_problems(cfg) -> list[str]:
+    """``data.mixture`` syntax (whether the folders are prepared sets is checked at start-up)."""
+    from engine.data.prepared import PreparedDataError, parse_mixture
+
+    try:
+        parse_mixture(cfg.data.mixture)
+    except PreparedDataError as error:
+        return [str(error)]
+    return []
 
 
 def config_warnings(cfg) -> list[str]:

@@ -6,6 +6,11 @@ engine/data/packing.py. dp rank r owns the contiguous slice [k*G + r*L*A, k*G + 
 yields it as A = G / (L*dp) microbatches of L = training.local_batch_size windows. The windows a
 step trains on therefore do not depend on dp, L or A, and the loader state is one global position
 plus a microbatch index.
+
+Sources (see `build_dataloader`): raw files or a hub dataset, tokenized at start-up
+(engine/data/packing.py); a prepared folder, memory-mapped (engine/data/prepared_windows.py); or a
+weighted mixture of prepared folders (`data.mixture`). Prepared sources are read ahead by a
+background thread (`READ_AHEAD` microbatches), so a step does not wait for the disk.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ import torch
 from engine.data.batch_sizes import resolve_batch_sizes  # noqa: F401  (re-exported)
 
 from engine.data.packing import MapWindows, StreamWindows, pack_documents
+from engine.data.prepared import is_prepared
+from engine.data.prepared_windows import PreparedWindows, build_mixture
+from engine.data.readahead import ReadAhead
 from engine.data.sources import iter_text_batches, load_documents
 from engine.data.tokenizer import Tokenizer
 
@@ -25,6 +33,8 @@ logger = logging.getLogger("quadra.data")
 
 # Hub datasets: the validation loader reads this split (local files are a single split).
 VALIDATION_SPLIT = "validation"
+# Microbatches a background thread reads ahead of the training loop (prepared sources).
+READ_AHEAD = 4
 _STATE_KEYS = ("position", "microbatch", "global_batch_size", "local_batch_size", "dp_degree",
                "seq_len", "windows_per_epoch", "shuffle", "seed", "streaming")
 
@@ -47,15 +57,20 @@ class PackedDataLoader:
     and re-tokenizes the stream up to the saved position within its epoch (earlier epochs are
     skipped unread), which costs time proportional to that position.
 
+    A source with an ``identity`` (prepared sets and mixtures) adds it to the state as ``data``, and
+    a state of other data is refused.
+
     Args:
-        source: a `MapWindows` or `StreamWindows`.
+        source: a `MapWindows`, `StreamWindows`, `PreparedWindows` or `MixtureWindows`.
         seq_len, local_batch_size, global_batch_size, dp_rank, dp_degree: see `build_dataloader`.
         seed, shuffle, streaming: recorded in the state so a mismatching resume is refused.
+        read_ahead: microbatches a background thread gathers ahead (0: gather when asked); only for
+            sources whose ``gather`` and ``ensure`` are pure functions of the position.
     """
 
-    def __init__(self, source: MapWindows | StreamWindows, *, seq_len: int, local_batch_size: int,
+    def __init__(self, source, *, seq_len: int, local_batch_size: int,
                  global_batch_size: int, dp_rank: int, dp_degree: int, seed: int, shuffle: bool,
-                 streaming: bool):
+                 streaming: bool, read_ahead: int = 0):
         if not 0 <= dp_rank < dp_degree:
             raise ValueError(f"dp rank {dp_rank} is outside [0, dp degree {dp_degree})")
         self.source = source
@@ -71,6 +86,8 @@ class PackedDataLoader:
         self._position = 0  # global position of the next step's first window
         self._microbatch = 0  # next microbatch within that step, in [0, grad_accum_steps)
         self._logged_epoch = 0
+        self.read_ahead = read_ahead
+        self._reader: ReadAhead | None = None
 
     @property
     def epoch(self) -> int:
@@ -90,7 +107,7 @@ class PackedDataLoader:
         if self._microbatch == 0 and not self.source.infinite and not self.source.ensure(step_end):
             raise StopIteration  # drop the partial last step so every rank stops together
         start = self._position + self.dp_rank * L * A + self._microbatch * L
-        windows = self.source.gather(range(start, start + L))
+        windows = self._fetch(start)
         epoch = self.source.epoch_of(start + L - 1)
         if epoch > self._logged_epoch:
             logger.info("data epoch %d begins at window position %d (%s windows per epoch)",
@@ -101,6 +118,48 @@ class PackedDataLoader:
             self._microbatch = 0
             self._position += self.global_batch_size
         return _split(windows)
+
+    def _gather(self, start: int) -> torch.Tensor:
+        return self.source.gather(range(start, start + self.local_batch_size))
+
+    def _starts(self) -> Iterator[int]:
+        """First window positions of this rank's microbatches from the current state on, up to the
+        last full step (the rule of `next_batch`)."""
+        L, A = self.local_batch_size, self.grad_accum_steps
+        position, microbatch = self._position, self._microbatch
+        while True:
+            if microbatch == 0 and not self.source.infinite and not self.source.ensure(position + self.global_batch_size - 1):
+                return
+            yield position + self.dp_rank * L * A + microbatch * L
+            microbatch += 1
+            if microbatch == A:
+                microbatch, position = 0, position + self.global_batch_size
+
+    def _fetch(self, start: int) -> torch.Tensor:
+        """The windows [start, start + L), from the read-ahead thread when there is one."""
+        if not self.read_ahead:
+            return self._gather(start)
+        if self._reader is None:
+            self._reader = ReadAhead(self._gather, self._starts(), self.read_ahead)
+        windows = self._reader.get(start)
+        if windows is None:  # the thread read other positions: read here, restart after this one
+            self.close()
+            windows = self._gather(start)
+        return windows
+
+    def close(self) -> None:
+        """Stop the read-ahead thread (a later `next_batch` starts it again)."""
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+
+    def log_metrics(self) -> dict[str, int]:
+        """Per-source counters for metrics.jsonl: ``data_tokens_<set>`` = label tokens each set of a
+        mixture gave the steps so far (the same on every rank); empty for a single source."""
+        by_source = getattr(self.source, "tokens_by_source", None)
+        if by_source is None:
+            return {}
+        return {f"data_tokens_{name}": tokens for name, tokens in by_source(self._position).items()}
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:
@@ -113,7 +172,9 @@ class PackedDataLoader:
     def state_dict(self) -> dict:
         """Plain ints/bools (torch.save and DCP friendly); the same on every dp rank."""
         n = self.source.windows_per_epoch
+        identity = getattr(self.source, "identity", None)
         return {
+            **({"data": identity} if identity else {}),
             "position": self._position,
             "microbatch": self._microbatch,
             "global_batch_size": self.global_batch_size,
@@ -138,6 +199,9 @@ class PackedDataLoader:
             raise ValueError(f"data loader state lacks {missing}; it was not made by PackedDataLoader")
         mine = self.state_dict()
         checks = ["seq_len", "streaming", "shuffle"] + (["seed"] if self.shuffle else [])
+        if "data" in mine:
+            checks.insert(0, "data")
+            state = {"data": "raw files or a hub dataset", **state}
         if mine["windows_per_epoch"] > 0 and state["windows_per_epoch"] > 0:
             checks.append("windows_per_epoch")
         for key in checks:
@@ -159,6 +223,7 @@ class PackedDataLoader:
             raise ValueError(f"data loader state is corrupt: {state}")
         if isinstance(self.source, StreamWindows):
             self.source.rewind(state["windows_per_epoch"] if state["windows_per_epoch"] > 0 else None)
+        self.close()  # read-ahead of the old position
         self._position = int(state["position"])
         self._microbatch = int(state["microbatch"])
         self._logged_epoch = self.epoch
@@ -209,6 +274,15 @@ def _make_source(path: str, setting: str, data_cfg, tokenizer: Tokenizer, *, spl
     if seq_len <= 0:
         raise ValueError(f"training.seq_len={seq_len} must be > 0")
     where = f"{setting}={path!r}"
+    if is_prepared(path):
+        if data_cfg.streaming:
+            logger.info("%s is a prepared folder: it is memory-mapped, data.streaming does not apply", where)
+        source = PreparedWindows(path, tokenizer, seq_len=seq_len, shuffle=shuffle, seed=seed,
+                                 infinite=infinite, setting=setting)
+        logger.info("%s: prepared set of %d documents, %d tokens (%s), %d windows of seq_len + 1 = %d tokens",
+                    where, source.manifest["num_documents"], source.num_tokens, source.manifest["dtype"],
+                    source.windows_per_epoch, seq_len + 1)
+        return lambda: source
     ds = load_documents(path, text_column=data_cfg.text_column, split=split,
                         streaming=data_cfg.streaming, setting=setting)
     if data_cfg.streaming:
@@ -230,8 +304,10 @@ def build_dataloader(data_cfg, tokenizer: Tokenizer, *, seq_len: int, local_batc
                      infinite: bool = True) -> PackedDataLoader:
     """The training loader of one dp rank.
 
+    With `data_cfg.mixture` set, its prepared sets replace `data_cfg.path`.
+
     Args:
-        data_cfg: the `[data]` section (path, text_column, split, streaming, shuffle).
+        data_cfg: the `[data]` section (path, text_column, split, streaming, shuffle, mixture).
         tokenizer: see engine/data/tokenizer.py; needs bos and eos ids.
         seq_len: S, tokens per sequence (training.seq_len).
         local_batch_size: L, sequences per microbatch on this rank.
@@ -248,15 +324,21 @@ def build_dataloader(data_cfg, tokenizer: Tokenizer, *, seq_len: int, local_batc
             window, or batch sizes that do not divide (see `resolve_batch_sizes`).
     """
     resolve_batch_sizes(local_batch_size, global_batch_size, dp_degree)  # fail before reading data
-    shuffle = bool(data_cfg.shuffle) and not data_cfg.streaming
-    if data_cfg.shuffle and data_cfg.streaming:
+    mixture = list(getattr(data_cfg, "mixture", []) or [])
+    prepared = bool(mixture) or is_prepared(data_cfg.path)
+    streaming = bool(data_cfg.streaming) and not prepared
+    shuffle = bool(data_cfg.shuffle) and not streaming
+    if data_cfg.shuffle and streaming:
         logger.info("data.shuffle applies to map-style data only: streaming reads documents in order")
-    make = _make_source(data_cfg.path, "data.path", data_cfg, tokenizer, split=data_cfg.split,
-                        seq_len=seq_len, shuffle=shuffle, seed=seed, infinite=infinite)
-    loader = PackedDataLoader(make(), seq_len=seq_len, local_batch_size=local_batch_size,
+    if mixture:
+        source = build_mixture(mixture, tokenizer, seq_len=seq_len, shuffle=shuffle, seed=seed, infinite=infinite)
+    else:
+        source = _make_source(data_cfg.path, "data.path", data_cfg, tokenizer, split=data_cfg.split,
+                              seq_len=seq_len, shuffle=shuffle, seed=seed, infinite=infinite)()
+    loader = PackedDataLoader(source, seq_len=seq_len, local_batch_size=local_batch_size,
                               global_batch_size=global_batch_size, dp_rank=dp_rank,
                               dp_degree=dp_degree, seed=seed, shuffle=shuffle,
-                              streaming=bool(data_cfg.streaming))
+                              streaming=streaming, read_ahead=READ_AHEAD if prepared else 0)
     logger.info("data: global batch %d = dp %d x local %d x %d accumulation steps",
                 loader.global_batch_size, dp_degree, local_batch_size, loader.grad_accum_steps)
     return loader
@@ -266,8 +348,9 @@ def build_validation_dataloader(validation_cfg, data_cfg, tokenizer: Tokenizer, 
                                 local_batch_size: int, dp_rank: int, dp_degree: int) -> ValidationDataLoader:
     """The validation loader of one dp rank (see `ValidationDataLoader`).
 
-    Reads `validation_cfg.path` with `data_cfg.text_column` and `data_cfg.streaming`; hub datasets
-    use the split named by VALIDATION_SPLIT ("validation").
+    Reads `validation_cfg.path` (raw files, a hub dataset or a prepared folder) with
+    `data_cfg.text_column` and `data_cfg.streaming`; hub datasets use the split named by
+    VALIDATION_SPLIT ("validation").
 
     Raises:
         FileNotFoundError, ValueError: as `build_dataloader`; validation.steps not -1 or > 0; a split
@@ -281,8 +364,8 @@ def build_validation_dataloader(validation_cfg, data_cfg, tokenizer: Tokenizer, 
                          f"{dp_rank} in [0, dp degree {dp_degree})")
     make = _make_source(validation_cfg.path, "validation.path", data_cfg, tokenizer,
                         split=VALIDATION_SPLIT, seq_len=seq_len, shuffle=False, seed=0, infinite=False)
-    loader = ValidationDataLoader(make, local_batch_size=local_batch_size, dp_rank=dp_rank,
-                                  dp_degree=dp_degree, steps=steps, streaming=bool(data_cfg.streaming))
+    loader = ValidationDataLoader(make, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree,
+                                  steps=steps, streaming=bool(data_cfg.streaming) and not is_prepared(validation_cfg.path))
     if not make().ensure(local_batch_size * dp_degree - 1):
         raise ValueError(
             f"validation.path={validation_cfg.path!r} holds fewer than training.global_batch_size = "

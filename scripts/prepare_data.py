@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""Tokenize a corpus once into a prepared folder that training memory-maps (engine/data/prepared.py).
+
+    ./scripts/prepare_data.py INPUT OUTPUT --tokenizer path/to/tokenizer [--num_proc 16]
+    ./run_train.sh --data.path OUTPUT
+    ./scripts/prepare_data.py --verify OUTPUT       # compare every file's sha256 with the manifest
+
+INPUT is what ``data.path`` accepts: a local .jsonl/.json/.txt/.parquet file or a folder of them,
+or a Hugging Face hub dataset name (read with ``datasets``, --split). Documents are tokenized by
+``--num_proc`` processes into [BOS] + tokens + [EOS] each (the packing of engine/data/packing.py)
+and written as memory-mappable .npy shards of the smallest unsigned dtype holding the vocabulary,
+with the document offsets and a manifest (tokenizer identity and hash, BOS/EOS policy, counts,
+sources, per-file sizes and sha256). The output appears only when complete (written to a hidden
+temporary folder beside it, then renamed); an existing complete output is left alone. Preparing
+the same input with the same tokenizer twice gives byte-identical files.
+
+Bad input: one line, exit 2. Runs in one process plus the tokenizer processes (no torchrun).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+# Allow `python scripts/prepare_data.py` from the repo root without installing the package.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from scripts.project_env import use_project_python  # noqa: E402
+
+use_project_python()  # the system Python of a fresh machine lacks the dependencies: re-run under .venv's
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("input", nargs="?", help="local file/folder or hub dataset name (as data.path)")
+    parser.add_argument("output", help="the prepared folder to create (or, with --verify, to check)")
+    parser.add_argument("--tokenizer", default="assets/tokenizer/shakespeare.model",
+                        help="SentencePiece .model or Hugging Face tokenizer.json; the run's model.tokenizer_path "
+                             "must be the same file (default: %(default)s)")
+    parser.add_argument("--text_column", default="text", help="column holding the text (default: %(default)s)")
+    parser.add_argument("--split", default="train", help="split of a hub dataset (default: %(default)s)")
+    parser.add_argument("--num_proc", type=int, default=max(1, (os.cpu_count() or 1)),
+                        help="tokenizer processes (default: the CPU count, %(default)s)")
+    parser.add_argument("--shard_tokens", type=int, default=None,
+                        help="tokens per shard file (default 2**30: 2 GiB with uint16 tokens)")
+    parser.add_argument("--verify", action="store_true",
+                        help="only check OUTPUT: every file's size and sha256 against its manifest")
+    args = parser.parse_args(argv)
+    from engine.data.prepared import PreparedDataError
+
+    try:
+        if args.verify:
+            return _verify(args.output)
+        if not args.input:
+            raise PreparedDataError("INPUT is missing: prepare_data.py INPUT OUTPUT --tokenizer PATH (see --help)")
+        if args.num_proc < 1 or (args.shard_tokens is not None and args.shard_tokens < 1):
+            raise PreparedDataError("--num_proc and --shard_tokens must be >= 1")
+        from engine.data.prepare import DEFAULT_SHARD_TOKENS, prepare
+
+        prepare(args.input, args.output, args.tokenizer, text_column=args.text_column, split=args.split,
+                num_proc=args.num_proc, shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS,
+                log=lambda line: print(line, flush=True))
+    except (PreparedDataError, FileNotFoundError, ValueError) as error:
+        print(f"prepare_data error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _verify(folder: str) -> int:
+    from engine.data.prepared import verify_checksums
+
+    bad = verify_checksums(folder)
+    if bad:
+        print(f"prepare_data error: {folder}: {', '.join(bad)} differ from the manifest's sha256 (corrupted); "
+              "prepare the folder again", file=sys.stderr)
+        return 2
+    print(f"{folder}: every file matches its manifest (size and sha256)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
