@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from engine.data.checksums import DIGEST, new_hasher
 from engine.data.prepared import (DOCUMENTS, FORMAT, MANIFEST, PreparedDataError, is_prepared, read_manifest,
                                   tokenizer_identity)
 
@@ -42,14 +43,13 @@ def _npy_header(dtype: np.dtype, length: int) -> bytes:
 
 
 class _NpyWriter:
-    """Writes one 1-D .npy file of known length from chunks, hashing the bytes as they go."""
+    """Writes one 1-D .npy file of known length from chunks, hashing the bytes as they go (the
+    manifest's digest, engine/data/checksums.py)."""
 
     def __init__(self, path: str, dtype: np.dtype, length: int):
-        import hashlib
-
         self.path, self.dtype, self.length, self.written = path, dtype, length, 0
         self._fh = open(path, "wb")
-        self._hash = hashlib.sha256()
+        self._hash = new_hasher(DIGEST)
         self._put(_npy_header(dtype, length))
 
     def _put(self, data: bytes) -> None:
@@ -65,7 +65,7 @@ class _NpyWriter:
         if self.written != self.length:
             raise RuntimeError(f"{self.path}: wrote {self.written} of {self.length} elements")
         return {"file": os.path.basename(self.path), "bytes": os.path.getsize(self.path),
-                "sha256": self._hash.hexdigest()}
+                DIGEST: self._hash.hexdigest()}
 
 
 def _write_shards(folder: str, dtype: np.dtype, total: int, chunks: Iterable[np.ndarray], shard_tokens: int,

@@ -54,6 +54,19 @@ def write_synthetic(folder: str, n_tokens: int, chunk: int = 10_000_000) -> floa
     return time.perf_counter() - started
 
 
+def verify_once(folder: str) -> dict:
+    """Hash every file of a prepared folder as a run's first start does (engine/data/checksums.py),
+    whatever its record says: {"seconds", "bytes", "gb_per_s"} (the record is written too)."""
+    from engine.data.prepared import read_manifest, verify_checksums
+
+    manifest = read_manifest(folder)
+    size = sum(entry["bytes"] for entry in [*manifest["shards"], manifest["documents"]])
+    started = time.perf_counter()
+    verify_checksums(folder, use_cache=False)
+    seconds = time.perf_counter() - started
+    return {"seconds": seconds, "bytes": size, "gb_per_s": size / 1e9 / seconds}
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/status") as f:
         for line in f:
