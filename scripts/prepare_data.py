@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text_column", default="text", help="column holding the text (default: %(default)s)")
     parser.add_argument("--split", default="train", help="split of a hub dataset (default: %(default)s)")
     parser.add_argument("--num_proc", type=int, default=max(1, (os.cpu_count() or 1)),
-                        help="tokenizer processes (default: the CPU count, %(default)s)")
+                        help="processes converting (one per input file) and tokenizing the input (default: the "
+                             "CPU count, %(default)s)")
     parser.add_argument("--shard_tokens", type=int, default=None,
                         help="tokens per shard file (default 2**30: 2 GiB with uint16 tokens)")
     parser.add_argument("--verify", action="store_true",

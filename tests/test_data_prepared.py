@@ -20,7 +20,8 @@ import torch
 from engine.data import build_validation_dataloader
 from engine.data.prepare import prepare
 from engine.data.prepared import is_prepared
-from tests.prepared_utils import REPO, S, by_position, cfg, load_prepare_script, loader, quiet, sets  # noqa: F401
+from tests.prepared_utils import (REPO, S, by_position, cfg, load_prepare_script, loader, quiet, sets,  # noqa: F401
+                                  write_jsonl)
 
 pytestmark = pytest.mark.usefixtures("private_datasets_cache")
 
@@ -78,13 +79,18 @@ def ref_mixture_sources(counts: list[int], positions: int) -> list[int]:
 
 def test_prepare_twice_is_byte_identical_and_a_complete_folder_is_left_alone(sets, tok, tmp_path, capsys):
     a = sets["a"]
-    out = subprocess.run([os.path.join(REPO, "scripts", "prepare_data.py"), a.raw, str(tmp_path / "again"),
-                          "--tokenizer", tok.path, "--num_proc", "2", "--shard_tokens", "100"],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    parts = tmp_path / "in"  # a folder of 3 files: 2 processes convert it to Arrow and tokenize it
+    os.makedirs(parts)
+    for i, (start, end) in enumerate([(0, 10), (10, 17), (17, len(a.docs))]):
+        write_jsonl(parts / f"part{i}.jsonl", a.docs[start:end])
+    out = subprocess.run([os.path.join(REPO, "scripts", "prepare_data.py"), str(parts), str(tmp_path / "again"),
+                          "--tokenizer", tok.path, "--num_proc", "2", "--shard_tokens", "100"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "HF_DATASETS_CACHE": str(parts / ".cache")})  # (hidden: not an input)
     assert out.returncode == 0, out.stderr
     assert "tokens/s" in out.stdout
     shard = dict(num_proc=1, log=quiet, shard_tokens=100)
-    prepare(a.raw, str(tmp_path / "new" / "once"), tok.path, **shard)  # the parent folder is created
+    prepare(str(parts), str(tmp_path / "new" / "once"), tok.path, **shard)  # the parent folder is created
     shutil.move(str(tmp_path / "new" / "once"), str(tmp_path / "once"))
     os.rmdir(tmp_path / "new")
     files = sorted(os.listdir(tmp_path / "once"))
@@ -92,14 +98,14 @@ def test_prepare_twice_is_byte_identical_and_a_complete_folder_is_left_alone(set
     for name in files:  # 2 processes vs 1: the same bytes, manifest included
         assert (tmp_path / "once" / name).read_bytes() == (tmp_path / "again" / name).read_bytes(), name
     stamp = os.stat(tmp_path / "once" / "manifest.json").st_mtime_ns
-    assert load_prepare_script().main([a.raw, str(tmp_path / "once"), "--tokenizer", tok.path]) == 0
+    assert load_prepare_script().main([str(parts), str(tmp_path / "once"), "--tokenizer", tok.path]) == 0
     assert "already prepared" in capsys.readouterr().out
     assert os.stat(tmp_path / "once" / "manifest.json").st_mtime_ns == stamp
     tokens = np.concatenate([np.load(tmp_path / "once" / f) for f in files if f.startswith("tokens-")])
     assert tokens.dtype == np.uint16 and np.array_equal(tokens, a.stream.numpy())
     offsets = np.load(tmp_path / "once" / "documents.npy")
     assert np.array_equal(np.diff(offsets), [len(tok.encode(d, True, True)) for d in a.docs])
-    assert sorted(os.listdir(tmp_path)) == ["again", "once"]  # no temporary folder left
+    assert sorted(os.listdir(tmp_path)) == ["again", "in", "once"]  # no temporary folder left
 
 
 def test_an_interrupted_preparation_leaves_no_output(sets, tok, tmp_path, monkeypatch):

@@ -52,12 +52,12 @@ class _NpyWriter:
         self._hash = new_hasher(DIGEST)
         self._put(_npy_header(dtype, length))
 
-    def _put(self, data: bytes) -> None:
+    def _put(self, data) -> None:
         self._fh.write(data)
         self._hash.update(data)
 
     def write(self, array: np.ndarray) -> None:
-        self._put(np.ascontiguousarray(array, dtype=self.dtype).tobytes())
+        self._put(np.ascontiguousarray(array, dtype=self.dtype).view(np.uint8))  # its buffer, not a copy
         self.written += len(array)
 
     def close(self) -> dict:
@@ -197,7 +197,8 @@ def prepare(source: str, output: str, tokenizer_path: str, *, text_column: str =
         output: the prepared folder.
         tokenizer_path: a SentencePiece model or tokenizer.json (engine/data/tokenizer.py).
         text_column, split: as ``data.text_column`` / ``data.split``.
-        num_proc: tokenizer processes (``datasets.Dataset.map``).
+        num_proc: processes converting the input into the datasets cache (one per input file,
+            ``load_dataset``) and tokenizing it (``datasets.Dataset.map``).
         shard_tokens: tokens per shard file.
 
     Returns:
@@ -222,7 +223,7 @@ def prepare(source: str, output: str, tokenizer_path: str, *, text_column: str =
     if done is not None:
         return done
     ds = load_documents(source, text_column=text_column, split=split, setting="input",
-                        column_setting="--text_column")
+                        column_setting="--text_column", num_proc=num_proc)
     os.makedirs(os.path.dirname(output), exist_ok=True)
     cache = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.cache-", dir=os.path.dirname(output))
     try:
