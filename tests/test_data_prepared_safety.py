@@ -189,12 +189,56 @@ def test_the_processes_of_a_machine_hash_a_set_once(sets, tmp_path):
 
 
 def test_a_state_of_other_data_is_refused(sets, tok):
-    ld = loader(tok, sets["a"].folder, L=2)
-    ld.next_batch()
+    raw, prepared = loader(tok, sets["a"].raw, L=2), loader(tok, sets["a"].folder, L=2)
+    raw.next_batch()
+    prepared.next_batch()
     for other in (loader(tok, sets["b"].folder, L=2), loader(tok, "unused", L=2, mixture=[f"{sets['a'].folder}:1"])):
-        with pytest.raises(ValueError, match="state has data='prepared:"):
-            other.load_state_dict(ld.state_dict())
-    with pytest.raises(ValueError, match="state has data='raw files or a hub dataset'"):
-        loader(tok, sets["a"].folder, L=2).load_state_dict(loader(tok, sets["a"].raw, L=2).state_dict())
+        with pytest.raises(ValueError, match=r"saved reading a prepared set \(content"):
+            other.load_state_dict(prepared.state_dict())
+    with pytest.raises(ValueError, match="saved reading raw files or a hub dataset but this run reads a prepared set "
+                                         r"\(content [0-9a-f]{16}\) \(data.path / data.mixture changed\)"):
+        loader(tok, sets["a"].folder, L=2).load_state_dict(raw.state_dict())
+    with pytest.raises(ValueError, match=r"saved reading a prepared set \(content [0-9a-f]{16}\) but this run reads "
+                                         "raw files or a hub dataset"):
+        loader(tok, sets["a"].raw, L=2).load_state_dict(prepared.state_dict())
+    with pytest.raises(ValueError, match="saved reading a data.mixture of 1 prepared set"):
+        loader(tok, sets["a"].folder, L=2).load_state_dict(loader(tok, "unused", mixture=[f"{sets['a'].folder}:1"],
+                                                                  L=2).state_dict())
 
 
+def _switch_data(folder: str, first: str, second: str) -> dict:
+    """In a test worker: 2 steps reading ``first`` (checkpointed), then the same run folder continued to
+    step 3 reading ``second``; what the second start restored and the warnings it logged."""
+    import logging
+
+    from tests.checkpoint_utils import train_run
+    from tests.training_utils import base_args
+
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("quadra").addHandler(handler)
+
+    def argv(path, steps):
+        return base_args(folder, {"data.path": path, "training.steps": steps, "checkpoint.enable": "true",
+                                  "checkpoint.interval": 2})
+
+    train_run(argv(first, 2))
+    second_run = train_run(argv(second, 3))
+    return {**second_run, "warnings": warnings}
+
+
+@pytest.mark.parametrize("direction", ["raw to prepared", "prepared to raw"])
+def test_a_run_switched_between_raw_and_prepared_data_keeps_its_model_and_restarts_the_data(sets, tmp_path,
+                                                                                             direction):
+    from tests.dist_utils import run_distributed
+
+    paths = [sets["a"].raw, sets["a"].folder][::1 if direction == "raw to prepared" else -1]
+    (result,) = run_distributed(_switch_data, 1, str(tmp_path / "run"), *paths, torchrun_env=False)
+    assert (result["start_step"], result["start_position"]) == (2, 0)  # model, optimizer, step restored; data anew
+    assert sorted(result["losses"]) == [3]
+    said = [w for w in result["warnings"] if "cannot carry the data position over" in w]
+    saved, now = ("raw files or a hub dataset", "a prepared set") if direction == "raw to prepared" else (
+        "a prepared set", "raw files or a hub dataset")
+    assert len(said) == 1 and f"saved reading {saved}" in said[0] and f"this run reads {now}" in said[0], result["warnings"]
+    assert "starts at the first window of the current data" in said[0]

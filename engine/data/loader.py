@@ -39,6 +39,18 @@ _STATE_KEYS = ("position", "microbatch", "global_batch_size", "local_batch_size"
                "seq_len", "windows_per_epoch", "shuffle", "seed", "streaming")
 
 
+RAW_DATA = "raw files or a hub dataset"  # what a state without a ``data`` entry was saved reading
+
+
+def _describe(data: str) -> str:
+    """A loader state's ``data`` entry in words (engine/data/prepared_windows.py's identities)."""
+    if data.startswith("prepared:"):
+        return f"a prepared set (content {data.split(':', 1)[1]})"
+    if data.startswith("mixture:"):
+        return f"a data.mixture of {data.count('prepared:')} prepared set(s)"
+    return data
+
+
 def _split(windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     windows = windows.long()
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
@@ -57,8 +69,10 @@ class PackedDataLoader:
     and re-tokenizes the stream up to the saved position within its epoch (earlier epochs are
     skipped unread), which costs time proportional to that position.
 
-    A source with an ``identity`` (prepared sets and mixtures) adds it to the state as ``data``, and
-    a state of other data is refused.
+    A source with an ``identity`` (prepared sets and mixtures) adds it to the state as ``data``; a
+    state without one was saved reading raw files or a hub dataset. A state of other data (another
+    prepared set or mixture, or raw data into a prepared run and the other way) is refused: its
+    positions address other windows, even of the same corpus, whose raw and prepared shuffles differ.
 
     Args:
         source: a `MapWindows`, `StreamWindows`, `PreparedWindows` or `MixtureWindows`.
@@ -198,10 +212,13 @@ class PackedDataLoader:
         if missing:
             raise ValueError(f"data loader state lacks {missing}; it was not made by PackedDataLoader")
         mine = self.state_dict()
+        if state.get("data", RAW_DATA) != mine.get("data", RAW_DATA):
+            raise ValueError(
+                f"data loader state was saved reading {_describe(state.get('data', RAW_DATA))} but this run reads "
+                f"{_describe(mine.get('data', RAW_DATA))} (data.path / data.mixture changed): the saved positions "
+                "address other windows; to continue that order, resume with the data.path or data.mixture of the "
+                "checkpoint's config (quadra.json)")
         checks = ["seq_len", "streaming", "shuffle"] + (["seed"] if self.shuffle else [])
-        if "data" in mine:
-            checks.insert(0, "data")
-            state = {"data": "raw files or a hub dataset", **state}
         if mine["windows_per_epoch"] > 0 and state["windows_per_epoch"] > 0:
             checks.append("windows_per_epoch")
         for key in checks:
