@@ -31,6 +31,16 @@ from engine.data.prepared import (PreparedDataError, content_id, is_prepared, op
                                   tokenizer_identity)
 
 logger = logging.getLogger("quadra.data")
+RAW_DATA = "raw files or a hub dataset"  # what a loader state without a ``data`` entry was saved reading
+
+
+def describe_data(identity: str) -> str:
+    """A loader state's ``data`` entry (a source's ``identity``, or RAW_DATA) in words."""
+    if identity.startswith("prepared:"):
+        return f"a prepared set (content {identity.split(':', 1)[1]})"
+    if identity.startswith("mixture:"):
+        return f"a data.mixture of {identity.count('prepared:')} prepared set(s)"
+    return identity
 
 
 def _open_shards(folder: str, manifest: dict, where: str) -> list[np.ndarray]:

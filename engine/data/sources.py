@@ -198,11 +198,16 @@ def iter_text_batches(
     row = 0
     for batch in ds.select_columns([text_column]).iter(batch_size=batch_size):
         texts = batch[text_column]
-        for i, text in enumerate(texts):
-            if not isinstance(text, str):
-                raise ValueError(
-                    f"{column_setting}={text_column!r}: row {row + i} holds {type(text).__name__}, "
-                    "not a string; clean the data or choose another column"
-                )
+        check_texts(texts, row, text_column, column_setting)
         row += len(texts)
         yield list(texts)
+
+
+def check_texts(texts: list, first_row: int, text_column: str, column_setting: str = "data.text_column") -> None:
+    """Raise ValueError naming the first row (counted from ``first_row``) whose text is not a string."""
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise ValueError(
+                f"{column_setting}={text_column!r}: row {first_row + i} holds {type(text).__name__}, "
+                "not a string; clean the data or choose another column"
+            )
