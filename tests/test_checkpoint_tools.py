@@ -36,13 +36,15 @@ def test_scan_prune_and_partial_folders(tmp_path, caplog):
     for step in (2, 4, 10):
         _fake_checkpoint(folder, f"step-{step}")
     _fake_checkpoint(folder, "step-12.tmp")           # a crashed save
-    _fake_checkpoint(folder, "step-14", marker=False)  # not written by our save
+    _fake_checkpoint(folder, "step-14", marker=False)  # damaged after its save, or not ours
     (tmp_path / "notes.txt").write_text("ignored")
     found = files.scan(folder)
     assert sorted(found.complete) == [2, 4, 10] and found.latest == 10
-    assert sorted(map(os.path.basename, found.partial)) == ["step-12.tmp", "step-14"]
+    assert list(map(os.path.basename, found.partial)) == ["step-12.tmp"]
+    assert list(found.incomplete) == [14]
+    assert files.incomplete_reason(found.incomplete[14]) == "quadra.json is missing or not valid JSON"
     files.remove_partial(found)
-    assert "step-12.tmp" in caplog.text and "step-14" in caplog.text
+    assert "step-12.tmp" in caplog.text and "step-14" not in caplog.text  # the loader reports it
     assert not os.path.exists(os.path.join(folder, "step-12.tmp")) and os.path.exists(os.path.join(folder, "step-14"))
     assert files.prune(folder, 0) == [] and files.prune(folder, 1, keep_step=2) == [4]
     assert files.prune(folder, 2) == [] and sorted(files.scan(folder).complete) == [2, 10]
