@@ -220,3 +220,9 @@ def test_command_line_scripts(tmp_path, capsys):
     assert script.main(["to-hf", dcp_dir, str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "export one of that run's checkpoints" in err, err
+    # The seed's manifest (written by write_model_only) catches a shard damaged since: one line.
+    os.truncate(os.path.join(step0, "__0_0.distcp"), 1000)
+    assert script.main(["to-torch", step0, str(tmp_path / "damaged.pt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {step0!r} is damaged: __0_0.distcp has 1000 bytes, the manifest says "), err
+    assert len(err.splitlines()) == 1 and not os.path.exists(tmp_path / "damaged.pt")
