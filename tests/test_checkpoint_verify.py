@@ -84,17 +84,18 @@ def test_manifest_names_the_file_and_the_damage(kind, tmp_path):
     assert problem is not None and problem.startswith(expected), problem
     # Rank 1 of 2 owns that shard at load; rank 0 does not see it.
     assert manifest.owner("__1_0.distcp", 2) == 1 and manifest.owner(".metadata", 2) == 0
+    assert [manifest.owner(f"__0_{i}.distcp", 3) for i in range(4)] == [0, 1, 2, 0]  # a conversion's files
     assert manifest.check(folder, {k: v for k, v in entries.items() if manifest.owner(k, 2) == 0}) is None
 
 
-def test_manifest_checksums_crc32_and_unknown_ones(tmp_path):
+def test_manifest_without_xxhash_and_with_unknown_checksums(tmp_path, monkeypatch):
+    monkeypatch.setattr(manifest, "ALGORITHM", "crc32")  # what a process without xxhash writes
     folder = str(tmp_path / "step-1")
     entries = _fake_checkpoint(folder, world_size=1)
-    target = os.path.join(folder, "__0_0.distcp")
-    with_crc = {"__0_0.distcp": manifest.describe_file(target, "crc32")}  # written where xxhash is absent
+    assert all(set(entry) == {"bytes", "crc32"} for entry in entries.values())
     unknown = {"__0_0.distcp": {"bytes": entries["__0_0.distcp"]["bytes"], "sha3": "0"}}
-    corrupt(target)
-    assert "fails its checksum (crc32 " in manifest.check(folder, with_crc)
+    corrupt(os.path.join(folder, "__0_0.distcp"))
+    assert manifest.check(folder, entries).startswith("__0_0.distcp fails its checksum (crc32 ")
     assert manifest.check(folder, unknown) is None  # size checked only
 
 

@@ -42,6 +42,7 @@ logger = logging.getLogger("quadra")
 
 class LoadingMixin:
     """The load side of CheckpointManager, and the collectives both sides use; see the module docstring."""
+
     # ------------------------------------------------------------------ collectives
     def _agree(self, message: str | None) -> str | None:
         """The lowest failing rank's message on every rank (None when no rank has one); collective."""

@@ -8,9 +8,9 @@ The manifest is the ``"files"`` entry of the checkpoint's ``quadra.json``::
 so the manifest is exactly as atomic as the checkpoint: a folder named ``step-N`` either has all
 of it or is not complete.
 
-**Who hashes what.** The work is split over the ranks by :func:`owner`: DCP's shard files
-``__<r>_<i>.distcp`` go to rank ``r % world_size`` (at save the rank that just wrote them, at load
-under the same layout the rank that reads them), every other file to rank 0. At save each rank
+**Who hashes what.** The work is split over the ranks by :func:`owner`: DCP's shard file
+``__<r>_0.distcp`` goes to rank ``r % world_size`` (at save the rank that just wrote it, at load
+under the same layout the rank that reads it), every other file to rank 0. At save each rank
 hashes its files once DCP has finished and leaves them in a small side file
 ``.quadra-files.rank<r>.json`` (no collective, so async saves can finish on rank 0 alone); rank 0
 merges those into the manifest and deletes them (:func:`write_share`, :func:`collect`). At load each
@@ -64,7 +64,7 @@ ALGORITHM = "xxh3_64" if xxhash is not None else "crc32"
 KEY = "files"  # the manifest's key in quadra.json
 _CHUNK = 1 << 20  # bytes read at a time while hashing (1 MiB: 1.4-1.9x faster here than 8 MiB)
 _SHARE_RE = re.compile(r"^\.quadra-files\.rank(\d+)\.json$")
-_SHARD_RE = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP FileSystemWriter: __<rank>_<index>.distcp
+_SHARD_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")  # DCP FileSystemWriter: __<rank>_<index>.distcp
 
 
 def share_name(rank: int) -> str:
@@ -73,17 +73,25 @@ def share_name(rank: int) -> str:
 
 
 def owner(name: str, world_size: int) -> int:
-    """The rank that hashes (at save) and checks (at load) the file ``name`` of a checkpoint."""
+    """The rank that hashes (at save) and checks (at load) the file ``name`` of a checkpoint:
+    ``(r + i) % world_size`` for DCP's ``__<r>_<i>.distcp``, rank 0 for any other file.
+
+    Each rank of a save writes ``__<rank>_0.distcp`` (one file per rank, DCP's default), so it
+    hashes the file it wrote; the many files of a one-process conversion (``__0_<i>.distcp``, one
+    per tensor) are spread over the ranks that load them.
+    """
     match = _SHARD_RE.match(name)
-    return int(match.group(1)) % world_size if match else 0
+    return (int(match.group(1)) + int(match.group(2))) % world_size if match else 0
 
 
-def describe_file(path: str, algorithm: str = ALGORITHM) -> dict:
-    """``{"bytes": size, algorithm: hex digest}`` of one file, read in 1 MiB chunks into one buffer.
+def describe_file(path: str, algorithm: str | None = None) -> dict:
+    """``{"bytes": size, algorithm: hex digest}`` of one file (default :data:`ALGORITHM`), read in
+    1 MiB chunks into one buffer.
 
     Raises:
         OSError: the file cannot be read.
     """
+    algorithm = algorithm or ALGORITHM
     digest = HASHERS[algorithm]()
     size = 0
     buffer = bytearray(_CHUNK)
