@@ -204,6 +204,11 @@ def test_damaged_checkpoints_refuse_instead_of_falling_back(corpus, reference, t
     assert named["error"].startswith(f"checkpoint.load_step = {STEPS}: checkpoint '{checkpoints}/step-{STEPS}' "
                                      f"is damaged: {SHARD} fails its checksum"), named
     assert "Fix: restore it from a copy, or choose another step" in named["error"]
+    start_from = os.path.join(checkpoints, f"step-{STEPS}")
+    (initial,) = _run(1, ckpt_args(str(tmp_path / "fresh"), corpus, {"checkpoint.initial_load_path": start_from}))
+    assert initial["error"].startswith(f"checkpoint.initial_load_path = '{start_from}' is damaged: {SHARD} fails "
+                                       "its checksum"), initial
+    assert os.listdir(tmp_path / "fresh" / "checkpoint") == []  # nothing trained or saved
     os.remove(os.path.join(checkpoints, f"step-{STOP}", files.DCP_METADATA))
     (every,) = _run(1, ckpt_args(folder, corpus))
     assert every["error"].startswith(f"every checkpoint in '{checkpoints}' is damaged (step-{STEPS}: {SHARD} fails "
@@ -213,7 +218,7 @@ def test_damaged_checkpoints_refuse_instead_of_falling_back(corpus, reference, t
     assert first.startswith(f"WARNING checkpoint {checkpoints}/step-{STEPS} is damaged: {SHARD} fails its checksum")
     assert second == f"WARNING checkpoint {checkpoints}/step-{STOP} is damaged: .metadata is missing"
     assert sorted(os.listdir(checkpoints)) == [f"step-{STEPS}", f"step-{STOP}"]  # nothing trained or saved
-    assert "\n" not in named["error"] + every["error"]
+    assert "\n" not in named["error"] + initial["error"] + every["error"]
 
 
 def _break_zip_of_an_item(path: str, shard: str) -> None:

@@ -120,7 +120,7 @@ class LoadingMixin:
                 self._log_loaded(candidate, time.perf_counter() - start, verified)
                 return self.trainer.step if not candidate.model_only else int(candidate.marker.get("step", 0))
             if plan.setting:
-                raise CheckpointError(selection.refusal(plan, candidate, problem))
+                raise CheckpointError(selection.refusal(plan, problem))
             self._log_once(selection.damaged_line(candidate, problem), level=logging.WARNING)
             damaged.append((candidate, problem))
         raise CheckpointError(selection.all_damaged(self.folder, damaged))

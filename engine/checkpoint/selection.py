@@ -39,8 +39,9 @@ class Candidate:
 
 @dataclass
 class LoadPlan:
-    """Candidates, newest first. ``setting`` (e.g. ``checkpoint.load_step = 4``) names the setting
-    that chose the only candidate: then damage refuses instead of falling back, with ``fix``."""
+    """Candidates, newest first. ``setting`` names the setting that chose the only candidate (e.g.
+    ``checkpoint.load_step = 4: checkpoint '.../step-4'``): then damage refuses instead of falling
+    back, with ``fix``."""
 
     candidates: list[Candidate]
     setting: str | None = None
@@ -70,7 +71,8 @@ def plan_load(cfg, folder: str) -> LoadPlan | None:
             logger.warning("checkpoint.load_step = %d: the newer checkpoints %s stay until this run "
                            "saves over them (a restart without load_step resumes from the newest)",
                            cfg.load_step, sorted(newer))
-        return LoadPlan([_candidate(cfg.load_step, steps[cfg.load_step])], f"checkpoint.load_step = {cfg.load_step}",
+        path = steps[cfg.load_step]
+        return LoadPlan([_candidate(cfg.load_step, path)], f"checkpoint.load_step = {cfg.load_step}: checkpoint {path!r}",
                         "choose another step, or checkpoint.load_step = -1 to resume from the newest "
                         "checkpoint that verifies")
     if steps:
@@ -102,9 +104,9 @@ def damaged_line(candidate: Candidate, problem: str) -> str:
     return f"checkpoint {candidate.path} is damaged: {problem}"
 
 
-def refusal(plan: LoadPlan, candidate: Candidate, problem: str) -> str:
+def refusal(plan: LoadPlan, problem: str) -> str:
     """The error when the checkpoint a setting names is damaged."""
-    return f"{plan.setting}: checkpoint {candidate.path!r} is damaged: {problem}. Fix: restore it from a copy, or {plan.fix}"
+    return f"{plan.setting} is damaged: {problem}. Fix: restore it from a copy, or {plan.fix}"
 
 
 def fallback_line(candidate: Candidate, skipped: list[Candidate]) -> str:
