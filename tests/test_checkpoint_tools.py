@@ -36,13 +36,15 @@ def test_scan_prune_and_partial_folders(tmp_path, caplog):
     for step in (2, 4, 10):
         _fake_checkpoint(folder, f"step-{step}")
     _fake_checkpoint(folder, "step-12.tmp")           # a crashed save
-    _fake_checkpoint(folder, "step-14", marker=False)  # not written by our save
+    _fake_checkpoint(folder, "step-14", marker=False)  # damaged after its save, or not ours
     (tmp_path / "notes.txt").write_text("ignored")
     found = files.scan(folder)
     assert sorted(found.complete) == [2, 4, 10] and found.latest == 10
-    assert sorted(map(os.path.basename, found.partial)) == ["step-12.tmp", "step-14"]
+    assert list(map(os.path.basename, found.partial)) == ["step-12.tmp"]
+    assert list(found.incomplete) == [14]
+    assert files.incomplete_reason(found.incomplete[14]) == "quadra.json is missing or not valid JSON"
     files.remove_partial(found)
-    assert "step-12.tmp" in caplog.text and "step-14" in caplog.text
+    assert "step-12.tmp" in caplog.text and "step-14" not in caplog.text  # the loader reports it
     assert not os.path.exists(os.path.join(folder, "step-12.tmp")) and os.path.exists(os.path.join(folder, "step-14"))
     assert files.prune(folder, 0) == [] and files.prune(folder, 1, keep_step=2) == [4]
     assert files.prune(folder, 2) == [] and sorted(files.scan(folder).complete) == [2, 10]
@@ -218,3 +220,9 @@ def test_command_line_scripts(tmp_path, capsys):
     assert script.main(["to-hf", dcp_dir, str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "export one of that run's checkpoints" in err, err
+    # The seed's manifest (written by write_model_only) catches a shard damaged since: one line.
+    os.truncate(os.path.join(step0, "__0_0.distcp"), 1000)
+    assert script.main(["to-torch", step0, str(tmp_path / "damaged.pt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {step0!r} is damaged: __0_0.distcp has 1000 bytes, the manifest says "), err
+    assert len(err.splitlines()) == 1 and not os.path.exists(tmp_path / "damaged.pt")

@@ -30,7 +30,7 @@ from engine.checkpoint.files import CheckpointError
 from engine.checkpoint.hf_config import args_from_hf_config, generation_config, hf_config_from_args
 from engine.checkpoint.hf_weights import weight_rules
 from engine.checkpoint.state import MODEL_KEY, quiet_single_process, saved_model_keys
-from engine.checkpoint.tools import DTYPES, write_model_only
+from engine.checkpoint.tools import DTYPES, check_intact, write_model_only
 
 __all__ = ["import_hf_model", "export_hf_model", "TOKENIZER_FILES"]
 
@@ -218,8 +218,8 @@ def export_hf_model(checkpoint_dir: str, out_dir: str, dtype: str | None = None,
         {"name", "tensors", "shards", "bytes", "tokenizer"}.
 
     Raises:
-        CheckpointError: not a DCP checkpoint, an unknown model, a model Hugging Face cannot express,
-            a missing weight, or an existing ``out_dir``.
+        CheckpointError: not a DCP checkpoint, damaged (tools.check_intact), an unknown model, a model
+            Hugging Face cannot express, a missing weight, or an existing ``out_dir``.
     """
     from safetensors.torch import save_file
 
@@ -231,6 +231,7 @@ def export_hf_model(checkpoint_dir: str, out_dir: str, dtype: str | None = None,
         raise CheckpointError(f"{checkpoint_dir!r} is not a DCP checkpoint folder (no {files.DCP_METADATA})")
     if os.path.exists(out_dir):
         raise CheckpointError(f"{out_dir!r} already exists; choose a new output folder or remove it")
+    check_intact(checkpoint_dir)
     marker = files.read_marker(checkpoint_dir) or {}
     name, args = _checkpoint_model(checkpoint_dir, marker)
     tokenizer_path = _tokenizer_for(checkpoint_dir, marker)

@@ -183,14 +183,16 @@ class CommSection:
 class CheckpointSection:
     """``[checkpoint]``: save and resume with torch Distributed Checkpoint (engine/checkpoint/manager.py)."""
 
-    enable: bool = _opt(False, "save checkpoints, and resume from the newest complete one at start")
+    enable: bool = _opt(False, "save checkpoints, and resume from the newest complete one at start (a damaged "
+                               "one, failing its recorded sizes/checksums or unreadable, is named and skipped)")
     folder: str = _opt("checkpoint", "checkpoint folder (holds step-N folders), relative to the run folder")
     interval: int = _opt(500, "save every N steps (and after the last step)")
     keep_latest_k: int = _opt(0, "keep the newest K complete checkpoints, delete older ones; 0 keeps all")
     async_mode: str = _opt("disabled", "disabled: training waits for each save; async: write in a "
                                        "background thread while training continues",
                            choices=("disabled", "async"))
-    load_step: int = _opt(-1, "resume from step-N of the folder; -1: the newest complete checkpoint")
+    load_step: int = _opt(-1, "resume from step-N of the folder (refused if damaged); -1: the newest complete "
+                              "checkpoint that verifies")
     initial_load_path: str = _opt("", "a DCP checkpoint folder to start from when the folder holds none "
                                       "(e.g. another run's step-N)")
     initial_load_model_only: bool = _opt(True, "from initial_load_path load model weights only "
