@@ -21,7 +21,7 @@ transformers = pytest.importorskip(
 from engine.checkpoint import files  # noqa: E402
 from engine.checkpoint.files import CheckpointError  # noqa: E402
 from engine.checkpoint.hf import export_hf_model, import_hf_model  # noqa: E402
-from engine.checkpoint.hf_config import hf_config_from_args  # noqa: E402
+from engine.checkpoint.hf_adapter import hf_config_from_args  # noqa: E402
 from tests.training_utils import REPO, SMALL_CORPUS, base_args  # noqa: E402
 
 VOCAB = 320  # the test tokenizer's size (256 bytes + 3 specials + merges)
@@ -180,7 +180,7 @@ def test_preflight_refuses_another_model_than_the_checkpoint(converted, tmp_path
 
 
 def test_models_without_a_hugging_face_equivalent_are_refused():
-    from engine.checkpoint.hf_weights import weight_rules
+    from engine.checkpoint.hf_adapter import weight_rules
     from models.registry import get_model_args
 
     deepseek_style = get_model_args("moe", "debugmodel")  # shared expert, dense first layer, routing bias

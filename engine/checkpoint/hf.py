@@ -1,6 +1,6 @@
 """Hugging Face checkpoints (safetensors + config.json) <-> Quadra DCP checkpoints, one process.
 
-- :func:`import_hf_model`: a Llama-family or Mixtral folder -> a model-only DCP checkpoint (float32,
+- :func:`import_hf_model`: a folder of a model type some family's adapter reads (Llama, Mixtral) -> a model-only DCP checkpoint (float32,
   like the master weights a run saves) that any layout starts from with
   ``checkpoint.initial_load_path``; its quadra.json holds the model arguments built from
   config.json (``model.args_path`` reads them), and the tokenizer files are copied beside it.
@@ -8,7 +8,8 @@
   ``model.safetensors`` (sharded with ``model.safetensors.index.json`` above ``max_shard_bytes``),
   ``config.json`` and ``generation_config.json`` for ``transformers.AutoModelForCausalLM``.
 
-Names and layouts map through engine/checkpoint/hf_weights.py (:func:`weight_rules`).
+Names and layouts map through the family's adapter (models/<family>/hf.py, found by
+engine/checkpoint/hf_adapter.py).
 
 Memory: import reads one tensor at a time from the memory-mapped safetensors files and DCP writes
 each into its own file before the next is made (an 8B model never sits in memory). Export holds
@@ -27,8 +28,7 @@ import torch.distributed.checkpoint as dcp
 
 from engine.checkpoint import files
 from engine.checkpoint.files import CheckpointError
-from engine.checkpoint.hf_config import args_from_hf_config, generation_config, hf_config_from_args
-from engine.checkpoint.hf_weights import weight_rules
+from engine.checkpoint.hf_adapter import args_from_hf_config, generation_config, hf_config_from_args, weight_rules
 from engine.checkpoint.state import MODEL_KEY, quiet_single_process, saved_model_keys
 from engine.checkpoint.tools import DTYPES, write_model_only
 
@@ -97,7 +97,7 @@ def import_hf_model(hf_dir: str, checkpoint_dir: str) -> dict:
         number of tensors and parameters written, and the copied tokenizer file (or None).
 
     Raises:
-        CheckpointError: no config.json, an unsupported model (see hf_config.py), a missing or
+        CheckpointError: no config.json, an unsupported model (see the family's models/<family>/hf.py), a missing or
             unexpected weight, or a weight whose shape does not match config.json.
     """
     from models.registry import model_record

@@ -15,6 +15,8 @@ read-only after loading.
 # the real classes (str/int/float/bool), not their string names.
 from dataclasses import dataclass, field
 
+from models.registry import DEFAULT_MODEL_NAME  # torch-free
+
 
 def _opt(default, doc: str, choices: tuple | None = None, int_ok: bool = False):
     """A dataclass field with its ``--help`` doc and, optionally, its allowed values.
@@ -53,7 +55,7 @@ class JobSection:
 class ModelSection:
     """``[model]``: which registered model and flavor, and its tokenizer."""
 
-    name: str = _opt("llama", "registered model name (see models/)")
+    name: str = _opt(DEFAULT_MODEL_NAME, "registered model name (see models/)")
     flavor: str = _opt("debugmodel", "model size preset within the model's flavors, e.g. debugmodel, 8B")
     args_path: str = _opt("", "model arguments instead of the flavor: a folder written by convert_checkpoint.py "
                               "from-hf (or a checkpoint step folder), or its quadra.json")

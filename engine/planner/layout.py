@@ -22,7 +22,8 @@ class Layout:
     Attributes:
         cfg: the ``JobConfig`` it came from; world_size: ranks.
         pp, dp_replicate, dp_shard, cp, tp, ep: degrees (dp_shard resolved).
-        model_args: the model's arguments as trained (vocabulary, ``max_seq_len = seq_len``).
+        model_args: the model's arguments as trained (vocabulary, ``max_seq_len = seq_len``);
+        model_spec: its family's ``ModelSpec`` (parameter shapes, FLOPs, width, routing).
         seq_len: tokens per sequence; local_batch_size: sequences per rank per accumulation step;
         grad_accum: accumulation steps A; global_batch_size: sequences per optimizer step.
         pp_plans: one ``PipelinePlan`` per pp rank (empty without pipeline parallel).
@@ -45,6 +46,17 @@ class Layout:
     global_batch_size: int
     pp_plans: tuple
     device_type: str = "cuda"
+    model_spec: object = None
+
+    @property
+    def params(self) -> list:
+        """Every parameter of the model (``ModelSpec.param_shapes``, engine/planner/params.py), computed
+        once per layout."""
+        if "_params" not in self.__dict__:
+            from engine.planner.params import model_params
+
+            self.__dict__["_params"] = model_params(self.model_spec, self.model_args)
+        return self.__dict__["_params"]
 
     @classmethod
     def from_config(cls, cfg, world_size: int, device_type: str = "cuda") -> "Layout":
@@ -64,7 +76,7 @@ class Layout:
                                               pp_rank=r) for r in range(d.pp))
         return cls(cfg, world_size, d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp, d.ep, setup.model_args,
                    t.seq_len, t.local_batch_size, setup.grad_accum_steps, setup.global_batch_size, plans,
-                   device_type)
+                   device_type, setup.model_spec)
 
     # ------------------------------------------------------------------ derived settings
     @property

@@ -98,7 +98,7 @@ def rank_params(layout, coords: dict | None = None):
     coords = coords or {}
     out = []
     for layers, first, last in layout.stages_of(coords.get("pp", 0)):
-        out += local_params(stage_param_specs(layout.model_args, layers, first, last), layout, coords)
+        out += local_params(stage_param_specs(layout.params, layers, first, last), layout, coords)
     return out
 
 
@@ -124,9 +124,7 @@ def block_activation_bytes(layout, ac: str) -> int:
     """
     a = layout.model_args
     T, h, t = _tokens(layout), a.dim, layout.tp
-    f = a.ffn_hidden_dim
-    if hasattr(a, "num_experts"):  # routed experts see top_k copies of each token, shared ones all
-        f = a.top_k * a.moe_inter_dim + a.n_shared_experts * a.moe_inter_dim
+    f = layout.model_spec.get("ffn_width")(a)  # MoE: top_k routed copies of each token + shared experts
     kv = a.kv_heads * a.head_dim
     bb = layout.param_bytes
     tsp = t if layout.sequence_parallel else 1

@@ -76,9 +76,19 @@ def _best_batch(cfg, world_size, gpu, gpus_per_node, efficiency, dp: int, pp: in
     return smallest
 
 
+def _routes_experts(cfg) -> bool:
+    """Whether ``[model]`` is a family that routes tokens to experts (its spec gives
+    ``expert_routing``): then ep degrees are candidates too."""
+    import models  # noqa: F401  (registers the built-in families; torch-free)
+    from models.registry import get_model_spec
+
+    return get_model_spec(cfg.model.name).expert_routing is not None
+
+
 def candidates(cfg, world_size: int, gpu, gpus_per_node: int, efficiency: float) -> list[LayoutEstimate]:
     """Every candidate layout's estimate (see the module docstring), unranked."""
     out = []
+    routed = _routes_experts(cfg)
     nodes = max(world_size // gpus_per_node, 1)
     seq_len = cfg.training.seq_len
     for tp in (1, 2, 4, 8):
@@ -100,7 +110,7 @@ def candidates(cfg, world_size: int, gpu, gpus_per_node: int, efficiency: float)
                     shapes.append((world_size, 1))  # pure DDP
                 for dp_replicate, dp_shard in shapes:
                     eps = [1]
-                    if cfg.model.name == "moe":
+                    if routed:
                         eps = [e for e in _divisors(dp_shard * cp) if e % cp == 0 and e > 1][:4] or [1]
                     for ep in eps:
                         for ac, option in (("none", "op"), ("selective", "op"), ("full", "op")):
