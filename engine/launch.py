@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     world_size = nproc * nnodes
     device_type = cfg.job.device if cfg.job.device != "auto" else ("cuda" if gpus else "cpu")
     try:
-        check_setup(cfg, world_size, device_type)
+        setup = check_setup(cfg, world_size, device_type)
     except (ValueError, FileNotFoundError) as error:
         _say(f"set-up error: {error}")
         return 2
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     if gpus:  # the planner's fit check; only where CUDA GPUs are (the CPU path imports no torch here)
         from engine.dry_run import fit_warning
 
-        warning = fit_warning(cfg, world_size, gpus_per_node=nproc)
+        warning = fit_warning(cfg, world_size, gpus_per_node=nproc, setup=setup)
         if warning:
             _say(f"warning: {warning}")
 

@@ -27,22 +27,18 @@ from engine.checkpoint import CheckpointManager
 from engine.checkpoint import files as checkpoint_files
 from engine.config import JobConfig, config_to_toml
 from engine.data import build_dataloader, build_validation_dataloader
-from engine.data.tokenizer import Tokenizer
 from engine.distributed import init_distributed, is_peer_failure
 from engine.loss import IGNORE_INDEX
 from engine.lr_scheduler import build_lr_scheduler
 from engine.metrics import MetricsLogger
-from engine.model_builder import build_model_parts
+from engine.model_builder import build_context_parallel, build_model_parts
 from engine.optimizer import build_optimizer
 from engine.preflight import check_setup
 from engine.profiling import StepProfiler
 from engine.runner import PipelineRunner, SingleRunner, StepContext
 from engine.signals import StopRequest
-from models.registry import load_ref
-from parallelisms.context_parallel import ContextParallel
 from parallelisms.comm_counter import group_names_by_mesh_dim
 from parallelisms.grad_norm import clip_grad_norm_
-from parallelisms.pipeline_plan import plan_model_pipeline
 
 logger = logging.getLogger("quadra")
 
@@ -82,13 +78,15 @@ class Trainer:
         self.parallel_dims, self.model_spec, self.model_args = setup.parallel_dims, setup.model_spec, setup.model_args
         self.global_batch_size = setup.global_batch_size
         self.model_record, self.model_label = setup.model_record, setup.model_label
+        self.setup = setup
         if self.dist.is_distributed:
             self.parallel_dims.build_mesh(self.device.type)
         self._group_dims = group_names_by_mesh_dim(self.parallel_dims)  # for time attribution
         self.dp_rank = self.parallel_dims.mesh("dp").get_local_rank() if self.dist.is_distributed else 0
-        self.context_parallel = self._build_context_parallel()
-        self.pp_plan = self._plan_pipeline()
-        self.tokenizer = Tokenizer(cfg.model.tokenizer_path)
+        self.context_parallel = build_context_parallel(cfg, self.parallel_dims)
+        pp_rank = self.parallel_dims.mesh("pp").get_local_rank() if self.parallel_dims.pp_enabled else 0
+        self.pp_plan = setup.pipeline_plan(pp_rank)  # this rank's stages (None without pipeline parallel)
+        self.tokenizer = setup.tokenizer  # loaded once per process, by check_setup
         self.dataloader = self._build_dataloader()
         self.grad_accum_steps = self.dataloader.grad_accum_steps
         # Built now so that a bad validation.path fails before training.
@@ -111,19 +109,6 @@ class Trainer:
         self.checkpointer.load()  # continue where an earlier run of this folder stopped, if it saved
 
     # ------------------------------------------------------------------ building
-    def _build_context_parallel(self) -> ContextParallel | None:
-        if not self.parallel_dims.cp_enabled:
-            return None
-        return ContextParallel(self.parallel_dims.mesh("cp"), self.cfg.training.seq_len,
-                               self.cfg.parallelism.cp_load_balance)
-
-    def _plan_pipeline(self):
-        """This rank's stages (None without pipeline parallel); the rules ran in check_setup."""
-        if not self.parallel_dims.pp_enabled:
-            return None
-        return plan_model_pipeline(self.cfg.parallelism, self.model_args, local_batch_size=self.cfg.training.local_batch_size,
-                                   pp_rank=self.parallel_dims.mesh("pp").get_local_rank())
-
     def _build_dataloader(self):
         t = self.cfg.training
         return build_dataloader(self.cfg.data, self.tokenizer, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
@@ -139,20 +124,14 @@ class Trainer:
                                            dp_rank=self.dp_rank, dp_degree=self.parallel_dims.dp)
 
     def _build_model(self) -> list[torch.nn.Module]:
-        cfg, t = self.cfg, self.cfg.training
+        t = self.cfg.training
         torch.manual_seed(t.seed)
         if t.deterministic:
             torch.use_deterministic_algorithms(True)
-        parallelize_fn = load_ref(self.model_spec.parallelize_fn)
         parts, self.nparams, self.flops_per_token = build_model_parts(
-            self.model_spec, self.model_args, plan=self.pp_plan, device=self.device, seed=t.seed,
-            parallelize=lambda part: parallelize_fn(
-                part, self.parallel_dims, parallelism_cfg=cfg.parallelism, ac_cfg=cfg.activation_checkpoint,
-                compile_cfg=cfg.compile, param_dtype=t.mixed_precision_param, reduce_dtype=t.mixed_precision_reduce,
-                context_parallel=self.context_parallel, global_batch_size=self.global_batch_size,
-                backend=self.dist.backend,
-            ),
-        )
+            self.cfg, self.model_spec, self.model_args, parallel_dims=self.parallel_dims, pp_plan=self.pp_plan,
+            context_parallel=self.context_parallel, global_batch_size=self.global_batch_size,
+            backend=self.dist.backend, device=self.device)
         return parts
 
     def _build_runner(self):

@@ -59,23 +59,20 @@ class Layout:
         return self.__dict__["_params"]
 
     @classmethod
-    def from_config(cls, cfg, world_size: int, device_type: str = "cuda") -> "Layout":
-        """Resolve ``cfg`` for ``world_size`` ranks.
+    def from_config(cls, cfg, world_size: int, device_type: str = "cuda", setup=None) -> "Layout":
+        """Resolve ``cfg`` for ``world_size`` ranks, from ``setup`` (the pre-flight's ``SetupPlan``
+        for this world size) when the caller has it, else by running the pre-flight.
 
         Raises:
             ValueError: what the launcher's pre-flight refuses (one line naming the setting).
         """
-        from engine.preflight import check_setup
-        from parallelisms.pipeline_plan import plan_model_pipeline
+        if setup is None:
+            from engine.preflight import check_setup
 
-        setup = check_setup(cfg, world_size, device_type, check_data=False)
+            setup = check_setup(cfg, world_size, device_type, check_data=False)
         d, t = setup.parallel_dims, cfg.training
-        plans = ()
-        if d.pp > 1:
-            plans = tuple(plan_model_pipeline(cfg.parallelism, setup.model_args, local_batch_size=t.local_batch_size,
-                                              pp_rank=r) for r in range(d.pp))
         return cls(cfg, world_size, d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp, d.ep, setup.model_args,
-                   t.seq_len, t.local_batch_size, setup.grad_accum_steps, setup.global_batch_size, plans,
+                   t.seq_len, t.local_batch_size, setup.grad_accum_steps, setup.global_batch_size, setup.pp_plans,
                    device_type, setup.model_spec)
 
     # ------------------------------------------------------------------ derived settings
