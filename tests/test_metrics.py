@@ -255,3 +255,15 @@ def test_other_ranks_print_only_when_asked(tmp_path, caplog, log_all_ranks):
     assert len(printed) == int(log_all_ranks)
     assert not (tmp_path / "metrics.jsonl").exists()  # files stay rank 0's
     log.close()
+
+
+def test_mfu_and_the_planner_read_one_gpu_table():
+    """The planner's GPUs (engine/planner/hardware.py) and MFU's peaks are the same table: a driver's
+    name gives the same peak FLOP/s to both."""
+    from engine.planner.hardware import GPUS, gpu_from_device_name
+
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA A100-SXM4-40GB", "NVIDIA A100 80GB PCIe",
+                 "NVIDIA B200"):
+        gpu = gpu_from_device_name(name)
+        assert gpu is not None and gpu.name in GPUS
+        assert get_peak_flops("cuda", name, 0.0) == gpu.peak_flops

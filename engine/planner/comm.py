@@ -34,7 +34,7 @@ Recomputation (``full`` AC) repeats each block's forward collectives (tp, cp, ep
 
 from __future__ import annotations
 
-from engine.planner.memory import rank_params
+from engine.planner.params import rank_params
 from engine.planner.params import padded_numel
 
 _RING = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,

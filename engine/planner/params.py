@@ -119,3 +119,12 @@ def local_params(specs: list[ParamSpec], layout, coords: dict | None = None) -> 
             shape[0] = chunk_size(shape[0], fsdp, shard_rank)
         out.append(LocalParam(spec, tp_local, 0, fsdp if fsdp > 1 else 1, math.prod(shape), unit))
     return out
+
+
+def rank_params(layout, coords: dict | None = None):
+    """The :class:`LocalParam` list of the rank at ``coords`` (all its stages)."""
+    coords = coords or {}
+    out = []
+    for layers, first, last in layout.stages_of(coords.get("pp", 0)):
+        out += local_params(stage_param_specs(layout.params, layers, first, last), layout, coords)
+    return out
