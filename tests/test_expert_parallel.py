@@ -114,7 +114,7 @@ def test_moe_parity_with_one_process(layout, references, request):
 def _startup_error(argv: list[str]) -> str:
     """The message of the error a Trainer raises at start-up ("" if none)."""
     from engine.config import load_config
-    from engine.trainer import Trainer
+    from engine.train.trainer import Trainer
 
     try:
         Trainer(load_config(argv)).close()

@@ -32,7 +32,7 @@ def calls(monkeypatch):
 
 
 def test_dry_run_with_pipeline_resolves_once(tmp_path, calls, capsys):
-    from engine.dry_run import dry_run
+    from engine.launch.dry_run import dry_run
 
     cfg = load_config(base_args(str(tmp_path), {"parallelism.pp": "2", "parallelism.dp_shard": "2",
                                                 "training.local_batch_size": "4", "parallelism.pp_microbatch_size": "2"}))
@@ -44,7 +44,7 @@ def test_dry_run_with_pipeline_resolves_once(tmp_path, calls, capsys):
 
 
 def test_trainer_resolves_once(tmp_path, calls):
-    from engine.trainer import Trainer
+    from engine.train.trainer import Trainer
 
     cfg = load_config(base_args(str(tmp_path), {"checkpoint.enable": "false"}))
     cfg.validate()

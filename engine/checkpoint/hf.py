@@ -41,7 +41,7 @@ INDEX = "model.safetensors.index.json"
 
 def _expected_shapes(name: str, args) -> dict[str, tuple[int, ...]]:
     """{FQN: shape} of the model's state dict, from a meta-device model (no memory)."""
-    from engine.model_builder import build_meta_model
+    from engine.train.model_builder import build_meta_model
     from models.registry import get_model_spec
 
     model = build_meta_model(get_model_spec(name), args)

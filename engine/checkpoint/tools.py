@@ -155,11 +155,11 @@ def save_seed_checkpoint(cfg) -> str:
     Raises:
         CheckpointError: the checkpoint folder already holds a complete checkpoint (a seed would be
             ignored in favour of it).
-        ValueError: bad [model] settings (see engine/preflight.py ``resolve_model_setup``).
+        ValueError: bad [model] settings (see engine/launch/preflight.py ``resolve_model_setup``).
     """
     from engine.config import config_to_toml
-    from engine.model_builder import build_model_parts
-    from engine.preflight import resolve_model_setup
+    from engine.train.model_builder import build_model_parts
+    from engine.launch.preflight import resolve_model_setup
     from models.registry import model_record
 
     folder = os.path.join(cfg.run_folder, cfg.checkpoint.folder)

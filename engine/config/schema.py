@@ -117,7 +117,7 @@ class TrainingSection:
 class OptimizerSection:
     """``[optimizer]``: AdamW hyperparameters (Loshchilov & Hutter 2019)."""
 
-    name: str = _opt("AdamW", "optimizer name (see engine/optimizer.py)")
+    name: str = _opt("AdamW", "optimizer name (see engine/train/optimizer.py)")
     lr: float = _opt(8e-4, "peak learning rate (reached at the end of warmup)")
     beta1: float = _opt(0.9, "Adam first-moment decay")
     beta2: float = _opt(0.95, "Adam second-moment decay")
@@ -223,7 +223,7 @@ class ActivationCheckpointSection:
 
 @dataclass
 class ProfilingSection:
-    """``[profiling]``: torch.profiler traces of chosen steps and CUDA memory snapshots (engine/profiling.py)."""
+    """``[profiling]``: torch.profiler traces of chosen steps and CUDA memory snapshots (engine/observe/profiling.py)."""
 
     enable: bool = _opt(False, "trace steps start_step .. start_step + num_steps - 1 with torch.profiler")
     start_step: int = _opt(3, "first traced step (1-based; later than 1 keeps start-up cost out of the trace)")

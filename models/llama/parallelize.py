@@ -83,7 +83,7 @@ def parallelize_llama(
             wait_async_output(model.tok_embeddings)  # its output is the first compiled block's input
     if parallel_dims.cp_enabled:
         # Attention over the whole cp-split sequence; inputs, labels and RoPE rows are sharded per
-        # step by the runner (engine/runner.py) with the same ContextParallel.
+        # step by the runner (engine/train/runner.py) with the same ContextParallel.
         apply_cp(model, context_parallel, rotate_method=parallelism_cfg.cp_rotate_method)
     apply_activation_checkpointing(model, ac_cfg.mode, ac_cfg.selective_ac_option)
     if compile_cfg.enable:

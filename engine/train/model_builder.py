@@ -6,7 +6,7 @@ run's settings (TP, EP, CP, AC, compile, FSDP/HSDP/DDP; models/<family>/parallel
 starts from the same weights. The trainer, the dry run's real plan (engine/planner/real_plan.py, on
 the meta device, nothing allocated) and the seed-checkpoint tool (engine/checkpoint/tools.py, one
 process, no parallelism) all call :func:`build_model_parts`; what they build from (model arguments,
-pipeline plan, batch geometry) is resolved once per process by engine/preflight.py ``check_setup``.
+pipeline plan, batch geometry) is resolved once per process by engine/launch/preflight.py ``check_setup``.
 """
 
 from __future__ import annotations

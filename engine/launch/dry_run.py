@@ -54,7 +54,7 @@ def dry_run(cfg, world_size: int, *, gpus_per_node: int) -> int:
 
     start = time.perf_counter()
     device_type = "cpu" if cfg.job.device == "cpu" else "cuda"
-    from engine.preflight import check_setup
+    from engine.launch.preflight import check_setup
 
     try:
         gpu, gpu_source = _gpu_for(cfg)
@@ -153,7 +153,7 @@ def fit_warning(cfg, world_size: int, *, gpus_per_node: int, setup=None) -> str 
         return None
 
 
-if __name__ == "__main__":  # python -m engine.dry_run --job.config_file X [overrides]; WORLD_SIZE from NGPU × NNODES
+if __name__ == "__main__":  # python -m engine.launch.dry_run --job.config_file X [overrides]; WORLD_SIZE from NGPU × NNODES
     from engine.config import load_config
 
     _cfg = load_config(sys.argv[1:])

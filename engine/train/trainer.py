@@ -6,7 +6,7 @@ back-propagates its share ``loss_sum_local / global_tokens`` and data parallel *
 the gradient equals the single-process gradient of the same global batch, independent of the number
 of ranks and of gradient accumulation (the data-parallel mean of per-rank gradients, Li et al. 2020,
 arXiv 2006.15704, weighted by each rank's tokens). Everything that depends on the parallel layout
-per step lives in engine/runner.py; see engine/docs/architecture.md for the whole data flow.
+per step lives in engine/train/runner.py; see engine/docs/architecture.md for the whole data flow.
 """
 
 from __future__ import annotations
@@ -22,21 +22,21 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.attribution import CommTimer, comm_seconds_by_dim, step_attribution
+from engine.observe.attribution import CommTimer, comm_seconds_by_dim, step_attribution
 from engine.checkpoint import CheckpointManager
 from engine.checkpoint import files as checkpoint_files
 from engine.config import JobConfig, config_to_toml
 from engine.data import build_dataloader, build_validation_dataloader
-from engine.distributed import init_distributed, is_peer_failure
-from engine.loss import IGNORE_INDEX
-from engine.lr_scheduler import build_lr_scheduler
-from engine.metrics import MetricsLogger
-from engine.model_builder import build_context_parallel, build_model_parts
-from engine.optimizer import build_optimizer
-from engine.preflight import check_setup
-from engine.profiling import StepProfiler
-from engine.runner import PipelineRunner, SingleRunner, StepContext
-from engine.signals import StopRequest
+from engine.train.distributed import init_distributed, is_peer_failure
+from engine.train.loss import IGNORE_INDEX
+from engine.train.lr_scheduler import build_lr_scheduler
+from engine.observe.metrics import MetricsLogger
+from engine.train.model_builder import build_context_parallel, build_model_parts
+from engine.train.optimizer import build_optimizer
+from engine.launch.preflight import check_setup
+from engine.observe.profiling import StepProfiler
+from engine.train.runner import PipelineRunner, SingleRunner, StepContext
+from engine.train.signals import StopRequest
 from parallelisms.comm_counter import group_names_by_mesh_dim
 from parallelisms.grad_norm import clip_grad_norm_
 
@@ -58,14 +58,14 @@ class Trainer:
     """Builds everything from a validated :class:`JobConfig`, then trains ``training.steps`` steps.
 
     Attributes used by callers and tests: ``step`` (completed optimizer steps), ``model_parts``
-    (list of modules; one without pipeline parallel), ``runner`` (engine/runner.py), ``history``
+    (list of modules; one without pipeline parallel), ``runner`` (engine/train/runner.py), ``history``
     (the last ``HISTORY_STEPS`` per-step records), ``parallel_dims``, ``dist``, ``tokens_seen``
     (label tokens of all completed steps), ``checkpointer``, ``stopped_by`` (the signal name when
     a stop signal ended ``train`` early) and ``stop_saved`` (whether that stop saved a checkpoint).
 
     Raises (from ``__init__``, on every rank, before the model is allocated):
         ValueError and subclasses: bad degrees, tokenizer/model mismatch, seq_len too long,
-        missing or empty dataset, batch sizes that do not divide (engine/preflight.py).
+        missing or empty dataset, batch sizes that do not divide (engine/launch/preflight.py).
     """
 
     def __init__(self, cfg: JobConfig):
@@ -183,7 +183,7 @@ class Trainer:
         return value
 
     def _measures_time(self) -> bool:
-        """Whether the coming step is attributed (engine/attribution.py): a logged step, with
+        """Whether the coming step is attributed (engine/observe/attribution.py): a logged step, with
         ``metrics.time_attribution`` on and no compiled code (dispatch modes do not mix with it)."""
         return (self.cfg.metrics.time_attribution and not self.cfg.compile.enable
                 and self.metrics.should_log(self.step + 1))
@@ -196,7 +196,7 @@ class Trainer:
 
     def train_step(self) -> dict:
         """One optimizer step over ``grad_accum_steps`` microbatches; returns loss, grad_norm and timings
-        (on attributed steps also ``phases``, the input of ``engine.attribution.step_attribution``)."""
+        (on attributed steps also ``phases``, the input of ``engine.observe.attribution.step_attribution``)."""
         measure = self._measures_time()
         clock = self._phase_clock if measure else time.perf_counter
         timers = [CommTimer(), CommTimer()] if measure and self.dist.is_distributed else None
