@@ -12,7 +12,6 @@ per step lives in engine/train/runner.py; see engine/docs/architecture.md for th
 from __future__ import annotations
 
 import collections
-import contextlib
 import gc
 import logging
 import math
@@ -22,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.observe.attribution import CommTimer, comm_seconds_by_dim, step_attribution
+from engine.observe.attribution import StepTimer, step_attribution
 from engine.checkpoint import CheckpointManager
 from engine.checkpoint import files as checkpoint_files
 from engine.config import JobConfig, config_to_toml
@@ -188,30 +187,18 @@ class Trainer:
         return (self.cfg.metrics.time_attribution and not self.cfg.compile.enable
                 and self.metrics.should_log(self.step + 1))
 
-    def _phase_clock(self) -> float:
-        """perf_counter after the device finished its queued work (CUDA kernels run asynchronously)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
     def train_step(self) -> dict:
         """One optimizer step over ``grad_accum_steps`` microbatches; returns loss, grad_norm and timings
         (on attributed steps also ``phases``, the input of ``engine.observe.attribution.step_attribution``)."""
-        measure = self._measures_time()
-        clock = self._phase_clock if measure else time.perf_counter
-        timers = [CommTimer(), CommTimer()] if measure and self.dist.is_distributed else None
-        data_start = clock()
-        microbatches = [self.runner.context.shard(*self.dataloader.next_batch()) for _ in range(self.grad_accum_steps)]
-        data_seconds = clock() - data_start
+        timer = StepTimer(measure=self._measures_time(), device=self.device, distributed=self.dist.is_distributed,
+                          group_dims=self._group_dims)
+        with timer.phase("data"):
+            microbatches = [self.runner.context.shard(*self.dataloader.next_batch()) for _ in range(self.grad_accum_steps)]
         local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches)
         global_tokens = self._dp_sum(torch.tensor(float(local_tokens), device=self.device))
-
-        compute_start = clock()
-        with timers[0] if timers else contextlib.nullcontext():
+        with timer.phase("forward_backward"):
             loss = self.runner.step(microbatches, global_tokens)
-            compute_seconds = clock() - compute_start
-        optimizer_start = clock()
-        with timers[1] if timers else contextlib.nullcontext():
+        with timer.phase("optimizer"):
             params = [p for part in self.model_parts for p in part.parameters()]
             grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_group=self.runner.pp_group)
             lr = self.lr_scheduler.get_last_lr()[0]
@@ -219,7 +206,6 @@ class Trainer:
             model_metrics = self.runner.post_optimizer_step()
             self.lr_scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-            optimizer_seconds = clock() - optimizer_start
         self.step += 1
 
         loss = self.runner.sum_over_stages(self._dp_sum(loss)).item()
@@ -231,18 +217,13 @@ class Trainer:
                 f"optimizer.lr or raise lr_scheduler.warmup_steps{clip}."
             )
         record = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": local_tokens,
-                  "global_tokens": int(global_tokens.item()), "data_seconds": data_seconds,
+                  "global_tokens": int(global_tokens.item()), "data_seconds": timer.seconds["data"],
                   "epoch": self.dataloader.epoch, "model_metrics": model_metrics}
+        compute_seconds = timer.seconds["forward_backward"]
         if isinstance(self.runner, PipelineRunner):
             record["pp_bubble_fraction"] = self.runner.bubble_fraction(compute_seconds)
-        if measure:
-            groups = self._group_dims
-            record["phases"] = {
-                "data_s": data_seconds, "forward_backward_s": compute_seconds, "optimizer_s": optimizer_seconds,
-                "comm_forward_backward": comm_seconds_by_dim(timers[0].seconds, groups) if timers else {},
-                "comm_optimizer": comm_seconds_by_dim(timers[1].seconds, groups) if timers else {},
-                "idle_s": record.get("pp_bubble_fraction", 0.0) * compute_seconds,
-            }
+        if timer.measure:
+            record["phases"] = timer.phases(idle_s=record.get("pp_bubble_fraction", 0.0) * compute_seconds)
         return record
 
     # ------------------------------------------------------------------ evaluation
