@@ -253,18 +253,7 @@ def export_hf_model(checkpoint_dir: str, out_dir: str, dtype: str | None = None,
     out_type = DTYPES.get(config_dtype, torch.float32)
     config = hf_config_from_args(name, args, dtype=config_dtype, bos_id=bos, eos_id=eos)
 
-    # (hf key, rule, output index, bytes) in Hugging Face's order, cut greedily into shards.
-    outputs = []
-    for rule in rules:
-        if args.tie_embeddings and rule.quadra == "output.weight":
-            continue
-        per_key = torch.Size(entries[f"{MODEL_KEY}.{rule.quadra}"].size).numel() // len(rule.hf)
-        outputs += [(key, rule, i, per_key * out_type.itemsize) for i, key in enumerate(rule.hf)]
-    shards: list[list] = [[]]
-    for item in outputs:
-        if shards[-1] and sum(x[3] for x in shards[-1]) + item[3] > max_shard_bytes:
-            shards.append([])
-        shards[-1].append(item)
+    outputs, shards = _shard_plan(rules, entries, args, out_type, max_shard_bytes)
     tmp = out_dir.rstrip("/") + files.TMP_SUFFIX
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -289,16 +278,39 @@ def export_hf_model(checkpoint_dir: str, out_dir: str, dtype: str | None = None,
         _write_json(os.path.join(tmp, INDEX), {"metadata": {"total_size": total}, "weight_map": weight_map})
     _write_json(os.path.join(tmp, "config.json"), config)
     _write_json(os.path.join(tmp, "generation_config.json"), generation_config(config))
-    copied = None
-    if tokenizer_path is not None and tokenizer_path.endswith(".json"):
-        folder = os.path.dirname(os.path.abspath(tokenizer_path))
-        for file_name in ("tokenizer_config.json", "special_tokens_map.json"):
-            if os.path.isfile(os.path.join(folder, file_name)):
-                shutil.copyfile(os.path.join(folder, file_name), os.path.join(tmp, file_name))
-        shutil.copyfile(tokenizer_path, os.path.join(tmp, "tokenizer.json"))
-        copied = tokenizer_path
+    copied = _copy_hf_tokenizer(tokenizer_path, tmp)
     os.replace(tmp, out_dir)
     return {"name": name, "tensors": len(outputs), "shards": len(shards), "bytes": total, "tokenizer": copied}
+
+
+def _shard_plan(rules, entries, args, out_type, max_shard_bytes: int) -> tuple[list, list[list]]:
+    """(outputs, shards): every (hf key, rule, output index, bytes) in Hugging Face's order (a tied head
+    left out), and the same cut greedily into shards of at most ``max_shard_bytes``."""
+    outputs = []
+    for rule in rules:
+        if args.tie_embeddings and rule.quadra == "output.weight":
+            continue
+        per_key = torch.Size(entries[f"{MODEL_KEY}.{rule.quadra}"].size).numel() // len(rule.hf)
+        outputs += [(key, rule, i, per_key * out_type.itemsize) for i, key in enumerate(rule.hf)]
+    shards: list[list] = [[]]
+    for item in outputs:
+        if shards[-1] and sum(x[3] for x in shards[-1]) + item[3] > max_shard_bytes:
+            shards.append([])
+        shards[-1].append(item)
+    return outputs, shards
+
+
+def _copy_hf_tokenizer(tokenizer_path: str | None, folder: str) -> str | None:
+    """Copy a Hugging Face ``tokenizer.json`` (and the config files beside it) into ``folder``; returns
+    the copied path, or None for no or a SentencePiece tokenizer."""
+    if tokenizer_path is None or not tokenizer_path.endswith(".json"):
+        return None
+    source = os.path.dirname(os.path.abspath(tokenizer_path))
+    for file_name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if os.path.isfile(os.path.join(source, file_name)):
+            shutil.copyfile(os.path.join(source, file_name), os.path.join(folder, file_name))
+    shutil.copyfile(tokenizer_path, os.path.join(folder, "tokenizer.json"))
+    return tokenizer_path
 
 
 def _readable_like_open(path: str) -> None:
