@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
         parser.error(f"--only: unknown case(s) {unknown}; choose from {','.join(CASES)}")
-    import engine.trainer  # noqa: F401 - imported once; the forked ranks inherit it
+    import engine.train.trainer  # noqa: F401 - imported once; the forked ranks inherit it
 
     bench = Bench(args)
     try:

@@ -1,7 +1,7 @@
 """A failure after a trained step (validation, metrics, the profiler's trace) never loses the step.
 
 The loop saves each due checkpoint, and at the last step waits for it to be complete, before it
-reports or validates (engine/trainer.py); a failure there ends the run with one line naming the
+reports or validates (engine/train/trainer.py); a failure there ends the run with one line naming the
 phase, the step and the newest complete checkpoint, and the same command resumes from it.
 """
 
@@ -22,9 +22,9 @@ SETTINGS = {"training.steps": 6, "checkpoint.enable": "true", "checkpoint.interv
 def _main_failing(argv: list[str], error_dir: str, phase: str, fail_at: int) -> int:
     """engine.train.main with ``phase`` raising after step ``fail_at`` (injected in this forked process)."""
     os.environ["QUADRA_ERROR_DIR"] = error_dir
-    from engine import train
-    from engine.metrics import MetricsLogger
-    from engine.trainer import Trainer
+    from engine.train import main as train
+    from engine.observe.metrics import MetricsLogger
+    from engine.train.trainer import Trainer
 
     owner, name = {"validation": (Trainer, "validate"), "metrics": (MetricsLogger, "log")}[phase]
     original = getattr(owner, name)
@@ -42,7 +42,7 @@ def _main_failing(argv: list[str], error_dir: str, phase: str, fail_at: int) -> 
 def _resume(argv: list[str]) -> tuple[int, list]:
     """(the step the run resumed at, [(loss, grad_norm)] of the steps it trained)."""
     from engine.config import load_config
-    from engine.trainer import Trainer
+    from engine.train.trainer import Trainer
 
     trainer = Trainer(load_config(argv))
     resumed_at = trainer.step

@@ -16,7 +16,7 @@ from engine.checkpoint import files
 from engine.checkpoint.state import (
     _restore, _strip, changed_settings, optimizer_settings, reapply_lr, restore_optimizer_settings,
 )
-from engine.signals import StopRequest
+from engine.train.signals import StopRequest
 from tests.dist_utils import run_distributed
 from tests.training_utils import REPO, base_args
 
@@ -81,7 +81,7 @@ def test_part_index_is_stripped_and_restored():
 
 def test_reapply_lr_matches_the_scheduler_and_takes_a_new_schedule():
     from engine.config.schema import LRSchedulerSection
-    from engine.lr_scheduler import build_lr_scheduler
+    from engine.train.lr_scheduler import build_lr_scheduler
 
     def scheduler(steps):
         optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
@@ -135,7 +135,7 @@ def _export_round_trip(folder: str) -> dict:
     """Train 2 steps; export step-2; compare with the live model; import; a new run starts from it."""
     from engine.checkpoint.tools import export_model_weights, import_model_weights, save_seed_checkpoint
     from engine.config import load_config
-    from engine.trainer import Trainer
+    from engine.train.trainer import Trainer
 
     def trainer_in(name: str, **overrides) -> Trainer:
         cfg = load_config(base_args(os.path.join(folder, name), {"checkpoint.enable": "true", **overrides}))

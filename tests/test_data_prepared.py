@@ -296,7 +296,7 @@ def _copy(sets, tmp_path, name="copy") -> str:
 
 def _setup(folder, tmp_path, *extra):
     from engine.config import load_config
-    from engine.preflight import check_setup
+    from engine.launch.preflight import check_setup
 
     cfg = load_config(["--data.path", folder, "--job.dump_folder", str(tmp_path / "run"), *extra])
     cfg.validate()

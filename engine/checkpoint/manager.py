@@ -66,7 +66,7 @@ class CheckpointManager(LoadingMixin):
         run_folder: the run folder; checkpoints go to ``<run_folder>/<cfg.folder>/step-N``.
         model_parts, optimizer, lr_scheduler, dataloader: the state to save (see module docstring).
         trainer: has ``state_dict()`` / ``load_state_dict()`` for the step and tokens seen.
-        dist_info: the rank's ``engine.distributed.DistInfo``.
+        dist_info: the rank's ``engine.train.distributed.DistInfo``.
         parallel_dims: the degrees (recorded in the marker; the pp group checks model keys).
         config_toml: the run's config as TOML, stored with every checkpoint.
         model_record: the model's architecture (``models.registry.model_record``), stored with every

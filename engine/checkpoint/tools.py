@@ -172,12 +172,12 @@ def save_seed_checkpoint(cfg) -> str:
     Raises:
         CheckpointError: the checkpoint folder already holds a complete checkpoint (a seed would be
             ignored in favour of it).
-        ValueError: bad [model] settings (see engine.model_builder.resolve_model_args).
+        ValueError: bad [model] settings (see engine/launch/preflight.py ``resolve_model_setup``).
     """
     from engine.config import config_to_toml
-    from engine.model_builder import build_meta_model, materialize
-    from models.registry import model_record, resolve_model
-    from engine.data.tokenizer import Tokenizer
+    from engine.train.model_builder import build_model_parts
+    from engine.launch.preflight import resolve_model_setup
+    from models.registry import model_record
 
     folder = os.path.join(cfg.run_folder, cfg.checkpoint.folder)
     found = files.scan(folder)
@@ -185,10 +185,8 @@ def save_seed_checkpoint(cfg) -> str:
         raise CheckpointError(
             f"{folder!r} already holds checkpoints {sorted(found.complete)}; a run resumes from those, "
             "so a seed checkpoint would never be used. Fix: use a fresh job.dump_folder")
-    tokenizer = Tokenizer(cfg.model.tokenizer_path)
-    spec, args, base_args, _ = resolve_model(cfg.model, seq_len=cfg.training.seq_len,
-                                             tokenizer_vocab_size=tokenizer.vocab_size)
-    model = materialize(build_meta_model(spec, args), torch.device("cpu"), cfg.training.seed)
+    model_setup = resolve_model_setup(cfg)
+    (model,), _, _ = build_model_parts(cfg, model_setup.spec, model_setup.args, device=torch.device("cpu"))
     marker = {"step": 0, "seed": cfg.training.seed, "config": config_to_toml(cfg),
-              "model": model_record(cfg.model.name, base_args)}
+              "model": model_record(cfg.model.name, model_setup.base_args)}
     return write_model_only(get_model_state_dict(model), files.step_dir(folder, 0), marker)

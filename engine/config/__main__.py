@@ -1,7 +1,7 @@
 """``python -m engine.config [--job.config_file X.toml] [--section.key value ...]``: load and check a
 config in one process without torch; prints the merged config as TOML, its warnings on stderr, or
 one ``config error:`` line and exit status 2. (The set-up rules that need the world size run in the
-launcher's pre-flight, engine/launch.py.)
+launcher's pre-flight, engine/launch/launcher.py.)
 
 ``python -m engine.config diff A.toml B.toml [--section.key value ...]``: compare two configs (the
 overrides apply to B) after defaults are filled in; prints each differing key with its class

@@ -15,6 +15,8 @@ read-only after loading.
 # the real classes (str/int/float/bool), not their string names.
 from dataclasses import dataclass, field
 
+from models.registry import DEFAULT_MODEL_NAME  # torch-free
+
 
 def _opt(default, doc: str, choices: tuple | None = None, int_ok: bool = False):
     """A dataclass field with its ``--help`` doc and, optionally, its allowed values.
@@ -53,7 +55,7 @@ class JobSection:
 class ModelSection:
     """``[model]``: which registered model and flavor, and its tokenizer."""
 
-    name: str = _opt("llama", "registered model name (see models/)")
+    name: str = _opt(DEFAULT_MODEL_NAME, "registered model name (see models/)")
     flavor: str = _opt("debugmodel", "model size preset within the model's flavors, e.g. debugmodel, 8B")
     args_path: str = _opt("", "model arguments instead of the flavor: a folder written by convert_checkpoint.py "
                               "from-hf (or a checkpoint step folder), or its quadra.json")
@@ -115,7 +117,7 @@ class TrainingSection:
 class OptimizerSection:
     """``[optimizer]``: AdamW hyperparameters (Loshchilov & Hutter 2019)."""
 
-    name: str = _opt("AdamW", "optimizer name (see engine/optimizer.py)")
+    name: str = _opt("AdamW", "optimizer name (see engine/train/optimizer.py)")
     lr: float = _opt(8e-4, "peak learning rate (reached at the end of warmup)")
     beta1: float = _opt(0.9, "Adam first-moment decay")
     beta2: float = _opt(0.95, "Adam second-moment decay")
@@ -223,7 +225,7 @@ class ActivationCheckpointSection:
 
 @dataclass
 class ProfilingSection:
-    """``[profiling]``: torch.profiler traces of chosen steps and CUDA memory snapshots (engine/profiling.py)."""
+    """``[profiling]``: torch.profiler traces of chosen steps and CUDA memory snapshots (engine/observe/profiling.py)."""
 
     enable: bool = _opt(False, "trace steps start_step .. start_step + num_steps - 1 with torch.profiler")
     start_step: int = _opt(3, "first traced step (1-based; later than 1 keeps start-up cost out of the trace)")

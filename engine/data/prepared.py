@@ -16,7 +16,7 @@ file name; ranks then open the shards with numpy, which checks their headers. Co
 (sha256) are compared by ``scripts/prepare_data.py --verify FOLDER`` only: hashing the whole corpus
 at every launch would make start-up grow with the corpus (about 1.2 GB/s on one core here).
 
-Standard library only: the launcher's pre-flight (engine/preflight.py) imports this module, and it
+Standard library only: the launcher's pre-flight (engine/launch/preflight.py) imports this module, and it
 must not import torch or numpy.
 """
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from engine.flops import compute_mfu, compute_tflops, get_peak_flops
+from engine.observe.flops import compute_mfu, compute_tflops, get_peak_flops
 
 logger = logging.getLogger("quadra")
 
@@ -164,7 +164,7 @@ class MetricsLogger:
 
     Args:
         cfg: the ``[metrics]`` section; reads ``log_freq`` (steps, > 0), ``enable_tensorboard``,
-            ``save_tb_folder`` and ``peak_tflops`` (0: table lookup, see ``engine.flops``).
+            ``save_tb_folder`` and ``peak_tflops`` (0: table lookup, see ``engine.observe.flops``).
         run_folder: the run's dump folder; receives ``metrics.jsonl`` and ``<save_tb_folder>/``.
         rank: global rank (kept for messages).
         is_logging_rank: only this rank prints, writes TensorBoard and metrics.jsonl.
@@ -272,7 +272,7 @@ class MetricsLogger:
             metrics: scalars from the trainer, typically ``loss`` (global mean per token),
                 ``grad_norm`` and ``lr``; floats, ints, scalar tensors or None (printed "n/a").
             files_only: more scalars for metrics.jsonl and TensorBoard, not printed (e.g. the
-                ``time_*_s`` attribution of engine/attribution.py).
+                ``time_*_s`` attribution of engine/observe/attribution.py).
 
         Returns:
             The full record (also on non-logging ranks): ``step``, the trainer's metrics and

@@ -6,13 +6,12 @@ back-propagates its share ``loss_sum_local / global_tokens`` and data parallel *
 the gradient equals the single-process gradient of the same global batch, independent of the number
 of ranks and of gradient accumulation (the data-parallel mean of per-rank gradients, Li et al. 2020,
 arXiv 2006.15704, weighted by each rank's tokens). Everything that depends on the parallel layout
-per step lives in engine/runner.py; see engine/docs/architecture.md for the whole data flow.
+per step lives in engine/train/runner.py; see engine/docs/architecture.md for the whole data flow.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import gc
 import logging
 import math
@@ -22,27 +21,23 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.attribution import CommTimer, comm_seconds_by_dim, step_attribution
+from engine.observe.attribution import StepTimer, step_attribution
 from engine.checkpoint import CheckpointManager
 from engine.checkpoint import files as checkpoint_files
 from engine.config import JobConfig, config_to_toml
 from engine.data import build_dataloader, build_validation_dataloader
-from engine.data.tokenizer import Tokenizer
-from engine.distributed import init_distributed, is_peer_failure
-from engine.loss import IGNORE_INDEX
-from engine.lr_scheduler import build_lr_scheduler
-from engine.metrics import MetricsLogger
-from engine.model_builder import build_model_parts
-from engine.optimizer import build_optimizer
-from engine.preflight import check_setup
-from engine.profiling import StepProfiler
-from engine.runner import PipelineRunner, SingleRunner, StepContext
-from engine.signals import StopRequest
-from models.registry import load_ref
-from parallelisms.context_parallel import ContextParallel
+from engine.train.distributed import init_distributed, is_peer_failure
+from engine.train.loss import IGNORE_INDEX
+from engine.train.lr_scheduler import build_lr_scheduler
+from engine.observe.metrics import MetricsLogger
+from engine.train.model_builder import build_context_parallel, build_model_parts
+from engine.train.optimizer import build_optimizer
+from engine.launch.preflight import check_setup
+from engine.observe.profiling import StepProfiler
+from engine.train.runner import PipelineRunner, SingleRunner, StepContext
+from engine.train.signals import StopRequest
 from parallelisms.comm_counter import group_names_by_mesh_dim
 from parallelisms.grad_norm import clip_grad_norm_
-from parallelisms.pipeline_plan import plan_model_pipeline
 
 logger = logging.getLogger("quadra")
 
@@ -62,14 +57,14 @@ class Trainer:
     """Builds everything from a validated :class:`JobConfig`, then trains ``training.steps`` steps.
 
     Attributes used by callers and tests: ``step`` (completed optimizer steps), ``model_parts``
-    (list of modules; one without pipeline parallel), ``runner`` (engine/runner.py), ``history``
+    (list of modules; one without pipeline parallel), ``runner`` (engine/train/runner.py), ``history``
     (the last ``HISTORY_STEPS`` per-step records), ``parallel_dims``, ``dist``, ``tokens_seen``
     (label tokens of all completed steps), ``checkpointer``, ``stopped_by`` (the signal name when
     a stop signal ended ``train`` early) and ``stop_saved`` (whether that stop saved a checkpoint).
 
     Raises (from ``__init__``, on every rank, before the model is allocated):
         ValueError and subclasses: bad degrees, tokenizer/model mismatch, seq_len too long,
-        missing or empty dataset, batch sizes that do not divide (engine/preflight.py).
+        missing or empty dataset, batch sizes that do not divide (engine/launch/preflight.py).
     """
 
     def __init__(self, cfg: JobConfig):
@@ -82,13 +77,15 @@ class Trainer:
         self.parallel_dims, self.model_spec, self.model_args = setup.parallel_dims, setup.model_spec, setup.model_args
         self.global_batch_size = setup.global_batch_size
         self.model_record, self.model_label = setup.model_record, setup.model_label
+        self.setup = setup
         if self.dist.is_distributed:
             self.parallel_dims.build_mesh(self.device.type)
         self._group_dims = group_names_by_mesh_dim(self.parallel_dims)  # for time attribution
         self.dp_rank = self.parallel_dims.mesh("dp").get_local_rank() if self.dist.is_distributed else 0
-        self.context_parallel = self._build_context_parallel()
-        self.pp_plan = self._plan_pipeline()
-        self.tokenizer = Tokenizer(cfg.model.tokenizer_path)
+        self.context_parallel = build_context_parallel(cfg, self.parallel_dims)
+        pp_rank = self.parallel_dims.mesh("pp").get_local_rank() if self.parallel_dims.pp_enabled else 0
+        self.pp_plan = setup.pipeline_plan(pp_rank)  # this rank's stages (None without pipeline parallel)
+        self.tokenizer = setup.tokenizer  # loaded once per process, by check_setup
         self.dataloader = self._build_dataloader()
         self.grad_accum_steps = self.dataloader.grad_accum_steps
         # Built now so that a bad validation.path fails before training.
@@ -111,19 +108,6 @@ class Trainer:
         self.checkpointer.load()  # continue where an earlier run of this folder stopped, if it saved
 
     # ------------------------------------------------------------------ building
-    def _build_context_parallel(self) -> ContextParallel | None:
-        if not self.parallel_dims.cp_enabled:
-            return None
-        return ContextParallel(self.parallel_dims.mesh("cp"), self.cfg.training.seq_len,
-                               self.cfg.parallelism.cp_load_balance)
-
-    def _plan_pipeline(self):
-        """This rank's stages (None without pipeline parallel); the rules ran in check_setup."""
-        if not self.parallel_dims.pp_enabled:
-            return None
-        return plan_model_pipeline(self.cfg.parallelism, self.model_args, local_batch_size=self.cfg.training.local_batch_size,
-                                   pp_rank=self.parallel_dims.mesh("pp").get_local_rank())
-
     def _build_dataloader(self):
         t = self.cfg.training
         return build_dataloader(self.cfg.data, self.tokenizer, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
@@ -139,20 +123,14 @@ class Trainer:
                                            dp_rank=self.dp_rank, dp_degree=self.parallel_dims.dp)
 
     def _build_model(self) -> list[torch.nn.Module]:
-        cfg, t = self.cfg, self.cfg.training
+        t = self.cfg.training
         torch.manual_seed(t.seed)
         if t.deterministic:
             torch.use_deterministic_algorithms(True)
-        parallelize_fn = load_ref(self.model_spec.parallelize_fn)
         parts, self.nparams, self.flops_per_token = build_model_parts(
-            self.model_spec, self.model_args, plan=self.pp_plan, device=self.device, seed=t.seed,
-            parallelize=lambda part: parallelize_fn(
-                part, self.parallel_dims, parallelism_cfg=cfg.parallelism, ac_cfg=cfg.activation_checkpoint,
-                compile_cfg=cfg.compile, param_dtype=t.mixed_precision_param, reduce_dtype=t.mixed_precision_reduce,
-                context_parallel=self.context_parallel, global_batch_size=self.global_batch_size,
-                backend=self.dist.backend,
-            ),
-        )
+            self.cfg, self.model_spec, self.model_args, parallel_dims=self.parallel_dims, pp_plan=self.pp_plan,
+            context_parallel=self.context_parallel, global_batch_size=self.global_batch_size,
+            backend=self.dist.backend, device=self.device)
         return parts
 
     def _build_runner(self):
@@ -204,35 +182,23 @@ class Trainer:
         return value
 
     def _measures_time(self) -> bool:
-        """Whether the coming step is attributed (engine/attribution.py): a logged step, with
+        """Whether the coming step is attributed (engine/observe/attribution.py): a logged step, with
         ``metrics.time_attribution`` on and no compiled code (dispatch modes do not mix with it)."""
         return (self.cfg.metrics.time_attribution and not self.cfg.compile.enable
                 and self.metrics.should_log(self.step + 1))
 
-    def _phase_clock(self) -> float:
-        """perf_counter after the device finished its queued work (CUDA kernels run asynchronously)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
     def train_step(self) -> dict:
         """One optimizer step over ``grad_accum_steps`` microbatches; returns loss, grad_norm and timings
-        (on attributed steps also ``phases``, the input of ``engine.attribution.step_attribution``)."""
-        measure = self._measures_time()
-        clock = self._phase_clock if measure else time.perf_counter
-        timers = [CommTimer(), CommTimer()] if measure and self.dist.is_distributed else None
-        data_start = clock()
-        microbatches = [self.runner.context.shard(*self.dataloader.next_batch()) for _ in range(self.grad_accum_steps)]
-        data_seconds = clock() - data_start
+        (on attributed steps also ``phases``, the input of ``engine.observe.attribution.step_attribution``)."""
+        timer = StepTimer(measure=self._measures_time(), device=self.device, distributed=self.dist.is_distributed,
+                          group_dims=self._group_dims)
+        with timer.phase("data"):
+            microbatches = [self.runner.context.shard(*self.dataloader.next_batch()) for _ in range(self.grad_accum_steps)]
         local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches)
         global_tokens = self._dp_sum(torch.tensor(float(local_tokens), device=self.device))
-
-        compute_start = clock()
-        with timers[0] if timers else contextlib.nullcontext():
+        with timer.phase("forward_backward"):
             loss = self.runner.step(microbatches, global_tokens)
-            compute_seconds = clock() - compute_start
-        optimizer_start = clock()
-        with timers[1] if timers else contextlib.nullcontext():
+        with timer.phase("optimizer"):
             params = [p for part in self.model_parts for p in part.parameters()]
             grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_group=self.runner.pp_group)
             lr = self.lr_scheduler.get_last_lr()[0]
@@ -240,7 +206,6 @@ class Trainer:
             model_metrics = self.runner.post_optimizer_step()
             self.lr_scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-            optimizer_seconds = clock() - optimizer_start
         self.step += 1
 
         loss = self.runner.sum_over_stages(self._dp_sum(loss)).item()
@@ -252,18 +217,13 @@ class Trainer:
                 f"optimizer.lr or raise lr_scheduler.warmup_steps{clip}."
             )
         record = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": local_tokens,
-                  "global_tokens": int(global_tokens.item()), "data_seconds": data_seconds,
+                  "global_tokens": int(global_tokens.item()), "data_seconds": timer.seconds["data"],
                   "epoch": self.dataloader.epoch, "model_metrics": model_metrics}
+        compute_seconds = timer.seconds["forward_backward"]
         if isinstance(self.runner, PipelineRunner):
             record["pp_bubble_fraction"] = self.runner.bubble_fraction(compute_seconds)
-        if measure:
-            groups = self._group_dims
-            record["phases"] = {
-                "data_s": data_seconds, "forward_backward_s": compute_seconds, "optimizer_s": optimizer_seconds,
-                "comm_forward_backward": comm_seconds_by_dim(timers[0].seconds, groups) if timers else {},
-                "comm_optimizer": comm_seconds_by_dim(timers[1].seconds, groups) if timers else {},
-                "idle_s": record.get("pp_bubble_fraction", 0.0) * compute_seconds,
-            }
+        if timer.measure:
+            record["phases"] = timer.phases(idle_s=record.get("pp_bubble_fraction", 0.0) * compute_seconds)
         return record
 
     # ------------------------------------------------------------------ evaluation
