@@ -35,7 +35,7 @@ EXCEPTIONS: dict[str, str] = {}
 # re-runs itself only when it needs torch) and each family's torch-free half.
 TORCH_FREE = (
     "engine.config", "engine.config.loading", "engine.config.schema", "engine.config.toml_format",
-    "engine.config.validation",
+    "engine.config.validation", "engine.config.fingerprint", "engine.config.__main__",
     "engine.launch", "engine.launch.launcher", "engine.launch.preflight", "engine.launch.dry_run",
     "engine.planner", "engine.planner.activations", "engine.planner.comm", "engine.planner.estimate",
     "engine.planner.hardware", "engine.planner.layout", "engine.planner.memory", "engine.planner.params",
