@@ -89,3 +89,41 @@ def test_diff_refuses_a_bad_config_in_one_line():
     result = _diff(DEBUG, DEBUG, "--optimizer.lrr", "1")
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "config error" in result.stderr
     assert _diff(DEBUG).returncode == 2
+
+
+def _train(argv: list[str]) -> None:
+    from engine.config import load_config
+    from engine.train.trainer import Trainer
+
+    trainer = Trainer(load_config(argv))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+
+
+@pytest.mark.slow
+def test_fingerprint_in_metrics_and_checkpoints_and_a_changed_one_on_resume(tmp_path):
+    import json
+
+    from tests.dist_utils import run_distributed
+    from tests.training_utils import base_args
+
+    folder = tmp_path / "run"
+    common = {"checkpoint.enable": "true", "validation.enable": "false"}
+    run_distributed(_train, 1, base_args(str(folder), {**common, "training.steps": 2}), torchrun_env=False)
+    # Execution only (log_freq), then a convergence change (the learning rate) on resume.
+    run_distributed(_train, 1, base_args(str(folder), {**common, "training.steps": 3, "metrics.log_freq": 2}),
+                    torchrun_env=False)
+    run_distributed(_train, 1, base_args(str(folder), {**common, "training.steps": 4, "optimizer.lr": "1e-3"}),
+                    torchrun_env=False)
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    runs = [r for r in records if r["kind"] == "run"]
+    assert [r["step"] for r in runs] == [1, 3, 4]
+    first, second, third = runs
+    marker = json.loads((folder / "checkpoint" / "step-2" / "quadra.json").read_text())
+    assert marker["fingerprint"] == first["fingerprint"] and len(first["fingerprint"]) == 16
+    # training.steps is a convergence key (it sets the LR decay): 2 -> 3 is a change too.
+    assert second["fingerprint_change"]["keys"] == ["training.steps"]
+    assert third["fingerprint_change"] == {"from": second["fingerprint"], "to": third["fingerprint"],
+                                           "keys": ["training.steps", "optimizer.lr"]}

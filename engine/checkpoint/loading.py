@@ -30,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from engine.checkpoint import files, manifest, selection
+from engine.config.fingerprint import convergence_changes, describe
 from engine.checkpoint.files import CheckpointError
 from engine.checkpoint.selection import Candidate
 from engine.checkpoint.state import (
@@ -278,6 +279,16 @@ class LoadingMixin:
         changes = changed_settings(marker["config"], self.config_toml) if marker.get("config") else []
         if changes:
             self._log_once("settings changed since the checkpoint (the new values apply): %s", "; ".join(changes))
+        saved = marker.get("fingerprint")
+        if saved is None or self.fingerprint is None or saved == self.fingerprint:
+            return
+        # Not refused: researchers do change the learning rate on resume; it must be visible.
+        keys = convergence_changes(marker["config"], self.config_toml) if marker.get("config") else []
+        named = describe(keys) or "the resolved global batch size (training.global_batch_size = -1 under other dp degrees)"
+        self.fingerprint_change = {"from": saved, "to": self.fingerprint, "keys": [key for key, *_ in keys]}
+        self._log_once("resuming a run with another convergence fingerprint (%s -> %s): it no longer trains "
+                       "the model the checkpoint's run trained: %s", saved, self.fingerprint, named,
+                       level=logging.WARNING)
 
 
 def _extents(metadata) -> dict[str, int]:

@@ -77,7 +77,8 @@ class CheckpointManager(LoadingMixin):
     """
 
     def __init__(self, cfg, *, run_folder: str, model_parts, optimizer, lr_scheduler, dataloader,
-                 trainer, dist_info, parallel_dims, config_toml: str, model_record: dict | None = None):
+                 trainer, dist_info, parallel_dims, config_toml: str, model_record: dict | None = None,
+                 fingerprint: str | None = None):
         self.cfg = cfg
         self.enabled = bool(cfg.enable)
         self.folder = os.path.join(run_folder, cfg.folder)
@@ -85,6 +86,8 @@ class CheckpointManager(LoadingMixin):
         self.lr_scheduler, self.dataloader, self.trainer = lr_scheduler, dataloader, trainer
         self.dist, self.parallel_dims, self.config_toml = dist_info, parallel_dims, config_toml
         self.model_record = model_record
+        self.fingerprint = fingerprint  # engine/config/fingerprint.py; recorded in every checkpoint
+        self.fingerprint_change: dict | None = None  # set by a load whose checkpoint had another one
         self.device = dist_info.device
         self.last_saved_step = -1
         self._pending: _PendingSave | None = None
@@ -135,6 +138,8 @@ class CheckpointManager(LoadingMixin):
                   "degrees": {k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")}}
         if self.model_record is not None:
             marker["model"] = self.model_record
+        if self.fingerprint is not None:
+            marker["fingerprint"] = self.fingerprint
         tmp, started = files.tmp_dir(self.folder, step), time.perf_counter()
         no_dist = not self.dist.is_distributed
         if self.cfg.async_mode == "async":

@@ -97,6 +97,27 @@ def fingerprint(config: dict[str, dict[str, Any]]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
+def run_fingerprint(config_toml: str, global_batch_size: int) -> str:
+    """The fingerprint of a run: :func:`fingerprint` of its config TOML with
+    ``training.global_batch_size`` replaced by the resolved global batch (sequences per step)."""
+    tables = _loads(config_toml)
+    tables.setdefault("training", {})["global_batch_size"] = int(global_batch_size)
+    return fingerprint(tables)
+
+
+def convergence_changes(old_toml: str, new_toml: str) -> list[tuple[str, str, Any, Any]]:
+    """:func:`changes` between two config TOMLs, convergence keys only."""
+    return [change for change in changes(_loads(old_toml), _loads(new_toml)) if change[1] == CONVERGENCE]
+
+
+def _loads(text: str) -> dict:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    return tomllib.loads(text)
+
+
 def changes(old: dict[str, dict[str, Any]], new: dict[str, dict[str, Any]]) -> list[tuple[str, str, Any, Any]]:
     """[(key, class, old value, new value)] of every key whose value differs, in schema order of
     ``new`` then keys only ``old`` has; a key missing on one side has the value None there. Keys of

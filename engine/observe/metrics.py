@@ -178,7 +178,8 @@ class MetricsLogger:
     steps N and later that an earlier launch of the folder left (it stopped after its last
     checkpoint, or the folder held another run) are dropped from metrics.jsonl, with a warning, and
     purged from TensorBoard (``SummaryWriter(purge_step=N)``, torch.utils.tensorboard docs): each
-    step appears once. A launch that logs nothing changes nothing.
+    step appears once. A launch that logs nothing changes nothing. Each launch's records start with
+    a ``"run"`` record of :attr:`run_info` (the config fingerprint, engine/config/fingerprint.py).
 
     Raises:
         ValueError: ``metrics.log_freq`` <= 0, ``devices_per_dp_rank`` < 1,
@@ -214,6 +215,9 @@ class MetricsLogger:
         self._jsonl = None
         self._tb = None
         self._closed = False
+        # What identifies this launch (e.g. {"fingerprint": ..., "fingerprint_change": ...}): set by
+        # the trainer; written as one "run" record before the launch's first step record.
+        self.run_info: dict[str, Any] = {}
         self._run_folder = run_folder
         if is_logging_rank:
             os.makedirs(run_folder, exist_ok=True)
@@ -328,6 +332,8 @@ class MetricsLogger:
             logger.warning("metrics.jsonl: dropped %d records of steps %d-%d that an earlier launch logged; "
                            "this launch trains them again", len(dropped), min(dropped), max(dropped))
         self._jsonl = open(path, "a", encoding="utf-8")
+        if self.run_info:  # this launch's identity, first in its records (a "run" line)
+            self._jsonl.write(json.dumps(_json_safe({"kind": "run", "step": step, **self.run_info})) + "\n")
         if self.cfg.enable_tensorboard:
             # Imported lazily: tensorboard is slow to import and only the logging rank needs it.
             from torch.utils.tensorboard import SummaryWriter
@@ -346,7 +352,7 @@ class MetricsLogger:
         self._jsonl.flush()
         if self._tb is not None:
             for key, value in record.items():
-                if key != "step" and value is not None:
+                if key != "step" and isinstance(value, (int, float)):
                     self._tb.add_scalar(f"{kind}/{key}", value, step)
             self._tb.flush()
 

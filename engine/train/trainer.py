@@ -25,6 +25,7 @@ from engine.observe.attribution import StepTimer, step_attribution
 from engine.checkpoint import CheckpointManager
 from engine.checkpoint import files as checkpoint_files
 from engine.config import JobConfig, config_to_toml
+from engine.config.fingerprint import run_fingerprint
 from engine.data import build_dataloader, build_validation_dataloader
 from engine.train.distributed import init_distributed, is_peer_failure
 from engine.train.loss import IGNORE_INDEX
@@ -97,6 +98,8 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY_STEPS)
+        # What this run trains (engine/config/fingerprint.py), in metrics.jsonl and every checkpoint.
+        self.fingerprint = run_fingerprint(config_to_toml(cfg), self.global_batch_size)
         if self.dist.rank == 0:
             self._write_run_config()
         self.metrics = self._build_metrics()
@@ -106,6 +109,9 @@ class Trainer:
         self.stop_saved = False
         self.checkpointer = self._build_checkpointer()
         self.checkpointer.load()  # continue where an earlier run of this folder stopped, if it saved
+        self.metrics.run_info = {"fingerprint": self.fingerprint}
+        if self.checkpointer.fingerprint_change:
+            self.metrics.run_info["fingerprint_change"] = self.checkpointer.fingerprint_change
 
     # ------------------------------------------------------------------ building
     def _build_dataloader(self):
@@ -151,7 +157,7 @@ class Trainer:
             self.cfg.checkpoint, run_folder=self.run_folder, model_parts=self.model_parts,
             optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
             trainer=self, dist_info=self.dist, parallel_dims=self.parallel_dims,
-            config_toml=config_to_toml(self.cfg), model_record=self.model_record,
+            config_toml=config_to_toml(self.cfg), model_record=self.model_record, fingerprint=self.fingerprint,
         )
 
     def _write_run_config(self) -> None:
@@ -161,9 +167,9 @@ class Trainer:
             f.write(config_to_toml(self.cfg))
         if self.cfg.job.print_config:
             logger.info("config:\n%s", config_to_toml(self.cfg))
-        logger.info("model %s: %s parameters, %.3g training FLOPs per token; world_size %d %s",
+        logger.info("model %s: %s parameters, %.3g training FLOPs per token; world_size %d %s; fingerprint %s",
                     self.model_label, f"{self.nparams:,}", self.flops_per_token,
-                    self.dist.world_size, self.parallel_dims)
+                    self.dist.world_size, self.parallel_dims, self.fingerprint)
 
     def _build_metrics(self) -> MetricsLogger:
         dims = self.parallel_dims
