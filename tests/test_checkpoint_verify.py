@@ -26,6 +26,15 @@ SHARD = "__0_0.distcp"
 
 
 # ---------------------------------------------------------------- damage, as a disk or a copy does it
+def test_side_files_being_written_are_not_checkpoint_files(tmp_path):
+    """Another rank's side file is written as <name>.tmp then renamed: a listing made meanwhile must
+    skip it (rank 0 hashed it, then crashed when it vanished, or put it in the manifest, which made a
+    sound checkpoint fail verification: new-user trial)."""
+    for name in ("__0_0.distcp", ".metadata", manifest.share_name(1), manifest.share_name(1) + ".tmp", "quadra.json"):
+        (tmp_path / name).write_text("x")
+    assert manifest.checkpoint_files(str(tmp_path), "quadra.json") == [".metadata", "__0_0.distcp"]
+
+
 def truncate(path: str) -> None:
     """Cut the file to half its size (a partial copy)."""
     os.truncate(path, os.path.getsize(path) // 2)

@@ -63,7 +63,7 @@ HASHERS = {"crc32": _Crc32, **({"xxh3_64": xxhash.xxh3_64} if xxhash is not None
 ALGORITHM = "xxh3_64" if xxhash is not None else "crc32"
 KEY = "files"  # the manifest's key in quadra.json
 _CHUNK = 1 << 20  # bytes read at a time while hashing (1 MiB: 1.4-1.9x faster here than 8 MiB)
-_SHARE_RE = re.compile(r"^\.quadra-files\.rank(\d+)\.json$")
+_SHARE_RE = re.compile(r"^\.quadra-files\.rank(\d+)\.json(\.tmp)?$")  # a side file, or one being written
 _SHARD_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")  # DCP FileSystemWriter: __<rank>_<index>.distcp
 
 
