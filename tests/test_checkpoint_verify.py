@@ -184,7 +184,7 @@ def _assert_fell_back(result: dict, reference: dict, checkpoints: str, reason: s
     assert damaged[0].startswith(f"WARNING checkpoint {checkpoints}/step-{STEPS} is damaged: {reason}"), damaged
     fallback = [line for line in result["lines"] if "falling back" in line]
     assert fallback == [f"WARNING falling back to checkpoint step-{STOP}, the newest that verifies: steps "
-                        f"{STOP + 1}-{STEPS} are trained again; the damaged step-{STEPS} is left in place"], result["lines"]
+                        f"{STOP + 1}-{STEPS} are trained again; the damaged step-{STEPS} is left in place until this run saves that step again"], result["lines"]
     assert result["start_step"] == STOP
     assert result["losses"] == {s: reference["losses"][s] for s in range(STOP + 1, STEPS + 1)}  # bitwise
 
@@ -300,5 +300,5 @@ def test_fall_back_to_a_seed_checkpoint_starts_the_optimizer_fresh(corpus, tmp_p
     (result,) = _run(1, ckpt_args(folder, corpus))
     assert [line for line in result["lines"] if "falling back" in line] == [
         f"WARNING falling back to checkpoint step-0, the newest that verifies: steps 1-{STOP} are trained again; "
-        f"the damaged step-{STOP} is left in place"], result["lines"]
+        f"the damaged step-{STOP} is left in place until this run saves that step again"], result["lines"]
     assert result["start_step"] == 0 and result["losses"] == from_seed["losses"]

@@ -114,7 +114,7 @@ def fallback_line(candidate: Candidate, skipped: list[Candidate]) -> str:
     names = ", ".join(f"step-{c.step}" for c in skipped)
     return (f"falling back to checkpoint step-{candidate.step}, the newest that verifies: steps "
             f"{candidate.step + 1}-{skipped[0].step} are trained again; the damaged {names} "
-            f"{'is' if len(skipped) == 1 else 'are'} left in place")
+            f"{'is' if len(skipped) == 1 else 'are'} left in place until this run saves that step again")
 
 
 def all_damaged(folder: str, damaged: list[tuple[Candidate, str]]) -> str:

@@ -177,7 +177,8 @@ def _summarize_failure(error, error_dir: str, signals: _Signals) -> int:
             grouped.setdefault(text, []).append(rank)
         for text, ranks in grouped.items():
             _say(text if len(grouped) == 1 else f"[rank{','.join(map(str, ranks))}] {text}")
-        statuses = [codes.get(rank, 1) for rank in own]
+        # A rank that gave its reason may still be ended by torchrun's SIGTERM (a negative code).
+        statuses = [code if (code := codes.get(rank, 1)) > 0 else 1 for rank in own]
         return 2 if 2 in statuses else max(statuses)
     died = {rank: code for rank, code in codes.items()
             if rank not in messages and code != -int(signal.SIGTERM)}

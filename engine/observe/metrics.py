@@ -378,12 +378,14 @@ class MetricsLogger:
     def close(self) -> None:
         """Flush and close metrics.jsonl and the TensorBoard writer (safe to call twice)."""
         self._closed = True
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        jsonl, tb, self._jsonl, self._tb = self._jsonl, self._tb, None, None
+        try:
+            if jsonl is not None:
+                jsonl.close()
+            if tb is not None:
+                tb.close()
+        except OSError as error:  # e.g. the write that failed the run fails again at the flush
+            logger.warning("metrics files could not be closed: %s", error)
 
     def __enter__(self) -> "MetricsLogger":
         return self

@@ -16,6 +16,7 @@ import gc
 import logging
 import math
 import os
+import re
 import time
 
 import torch
@@ -288,10 +289,11 @@ class Trainer:
                 # The step is done: save it before anything that can fail after it (reports,
                 # validation, trace files), so that a failure there never loses it.
                 final = self.step == self.cfg.training.steps
-                self.checkpointer.maybe_save(self.step, final=final)
-                if final:
-                    self.checkpointer.wait()  # the last step is complete on disk before validation
                 try:
+                    self._after_step_phase = "checkpoint save"
+                    self.checkpointer.maybe_save(self.step, final=final)
+                    if final:
+                        self.checkpointer.wait()  # the last step is complete on disk before validation
                     self._after_step(record, last)
                 except Exception as error:
                     if is_peer_failure(error):
@@ -332,7 +334,11 @@ class Trainer:
     def _after_step_message(self, error: BaseException) -> str:
         """One line for a failure after step ``self.step`` was trained: what failed, and what is safe."""
         phase = getattr(self, "_after_step_phase", "reporting")
-        reason = (str(error).strip().splitlines() or [""])[0][:300] or "(no message)"
+        lines = str(error).strip().splitlines()
+        # DCP's CheckpointException opens with "ranks:..." and quotes each rank's traceback: name the
+        # innermost error instead (e.g. "PermissionError: [Errno 13] ... step-2.tmp").
+        causes = [line.strip() for line in lines if re.match(r"\s*\w+(Error|Exception): ", line)]
+        reason = (causes[-1] if causes and len(lines) > 1 else (lines or [""])[0])[:300] or "(no message)"
         saved = checkpoint_files.scan(self.checkpointer.folder).latest if self.cfg.checkpoint.enable else None
         if saved is None:
             kept = "no checkpoint holds it (checkpoint.enable = false)" if not self.cfg.checkpoint.enable \
@@ -341,7 +347,8 @@ class Trainer:
             kept = f"checkpoint step-{saved} is complete; the same command resumes from it"
         fix = {"validation": "set validation.enable = false to train on without it",
                "profiler": "set profiling.enable = false",
-               "metrics": "check the run folder's disk space and permissions"}.get(phase, "")
+               "metrics": "check the run folder's disk space and permissions",
+               "checkpoint save": "check the checkpoint folder's disk space and permissions"}.get(phase, "")
         return (f"{phase} after step {self.step} failed ({type(error).__name__}: {reason}); {kept}"
                 f"{'; ' + fix if fix else ''}; QUADRA_TRACEBACK=1 shows the traceback")
 
