@@ -7,7 +7,7 @@
 #                ranks NODE_RANK*NGPU .. NODE_RANK*NGPU+NGPU-1)
 #   LOG_RANKS    local ranks whose output is shown, e.g. 0 (default: all)
 # Extra arguments are config overrides: ./run_train.sh --training.steps 20
-# The launcher (engine/launch.py) checks the config against NGPU × NNODES before any rank starts,
+# The launcher (engine/launch/launcher.py) checks the config against NGPU × NNODES before any rank starts,
 # prints one line per failure, and turns SIGTERM / SIGUSR1 / a first Ctrl-C, sent to this script, its
 # process group or the ranks, into a checkpoint and exit 0 (a second Ctrl-C stops at once).
 set -euo pipefail

@@ -1,5 +1,10 @@
 """A small explicit model registry: one `ModelSpec` per model family, looked up by `model.name`.
 
+A family is one folder, ``models/<family>/``, holding everything about it: arguments and flavors,
+the module, the parallelize plan, start-up checks, the Hugging Face adapter and what the planner
+needs (parameter shapes, FLOPs per token, activation width, expert routing); its ``ModelSpec`` names
+each. engine/ knows families only through this module (tests/test_architecture.py checks it).
+
 Registering a name twice raises, and an unknown name or flavor raises with the list of known ones,
 so a typo in `[model]` fails at start-up with the fix in the message. The registry, the flavors and
 the start-up checks import no torch: the model class and its parallelize plan are named as
@@ -35,7 +40,11 @@ __all__ = [
     "args_from_record",
     "load_model_record",
     "first_args_difference",
+    "hf_spec_for_model_type",
+    "DEFAULT_MODEL_NAME",
 ]
+
+DEFAULT_MODEL_NAME = "llama"  # the default of the `model.name` setting (engine/config/schema.py)
 
 RECORD_FILE = "quadra.json"  # a checkpoint folder's marker; its "model" entry is the model record
 
@@ -68,6 +77,18 @@ class ModelSpec:
             compile_enabled)` raising ValueError when `[parallelism]` cannot shard this model (e.g.
             heads not divisible by tp); must import no torch, since the launcher's pre-flight and
             every rank call it before building anything.
+        hf_adapter: a `models.hf.HFAdapter` (or its "module:attribute" name): config.json and weight
+            names in both directions; None when the family has no Hugging Face equivalent.
+        param_shapes: `fn(model_args) -> list[models.planning.ParamSpec]`, every parameter with its
+            shape and placement under the family's plan, in module order (torch-free; the planner's
+            per-rank bytes and the dry run's check against the real plan rest on it).
+        flops_per_token: `fn(model_args, seq_len) -> float`, training FLOPs per token (forward +
+            backward, PaLM App. B; active parameters only for MoE), torch-free, for the planner's MFU.
+        ffn_width: `fn(model_args) -> int`, hidden width of a token's feed-forward activations (the
+            planner's activation bytes; MoE: top_k routed + shared experts).
+        expert_routing: `fn(model_args) -> models.planning.ExpertRouting`, for families that route
+            tokens to experts (the planner's ep degrees and all-to-all bytes); None for dense ones.
+    All callables may be given as "module:attribute" names (:meth:`ModelSpec.get`).
     """
 
     name: str
@@ -75,6 +96,23 @@ class ModelSpec:
     flavors: dict[str, Any]
     parallelize_fn: Any
     validate_parallelism_fn: Callable | None = None
+    hf_adapter: Any = None
+    param_shapes: Any = None
+    flops_per_token: Any = None
+    ffn_width: Any = None
+    expert_routing: Any = None
+
+    def get(self, field: str) -> Any:
+        """The object spec field ``field`` names (:func:`load_ref`).
+
+        Raises:
+            ValueError: the family does not give it (one line naming the family and the field).
+        """
+        value = getattr(self, field)
+        if value is None:
+            raise ValueError(f"model.name = {self.name!r} gives no ModelSpec.{field}; add it to "
+                             f"models/{self.name}/__init__.py")
+        return load_ref(value)
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
@@ -143,6 +181,24 @@ def load_ref(ref: Any) -> Any:
         return ref
     module, _, attr = ref.partition(":")
     return getattr(importlib.import_module(module), attr)
+
+
+def hf_spec_for_model_type(model_type, where: str) -> ModelSpec:
+    """The registered family whose Hugging Face adapter reads ``config.json``'s ``model_type``.
+
+    Raises:
+        ValueError: no family reads it; the message lists the model types that are read.
+    """
+    known = {}
+    for name in sorted(_REGISTRY):
+        spec = _REGISTRY[name]
+        if spec.hf_adapter is not None:
+            for kind in load_ref(spec.hf_adapter).model_types:
+                known[kind] = spec
+    if model_type not in known:
+        raise ValueError(f"{where}: model_type = {model_type!r} is not supported; from-hf converts "
+                         f"{', '.join(repr(k) for k in known)} checkpoints")
+    return known[model_type]
 
 
 def model_record(name: str, args) -> dict:

@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(cases) - set(CASES + OPTIONAL_CASES))
     if unknown:
         parser.error(f"--only: unknown case(s) {unknown}; choose from {','.join(CASES + OPTIONAL_CASES)}")
-    import engine.trainer  # noqa: F401 - imported once; the forked ranks inherit it
+    import engine.train.trainer  # noqa: F401 - imported once; the forked ranks inherit it
 
     bench = Bench(args)
     try:

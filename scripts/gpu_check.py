@@ -7,8 +7,8 @@
 Rows, in order (each has its own time budget; a failing or slow row never stops the others):
 
     device             torch and CUDA versions, GPU name, compute capability, memory
-    cuda_nccl_init     engine.distributed.init_distributed at world size 1: cuda:0, NCCL, the 5-D mesh
-    memory_api         torch.cuda.max_memory_allocated / memory_stats / reset, engine.metrics' reader
+    cuda_nccl_init     engine.train.distributed.init_distributed at world size 1: cuda:0, NCCL, the 5-D mesh
+    memory_api         torch.cuda.max_memory_allocated / memory_stats / reset, engine.observe.metrics' reader
     matmul_peak        measured dense bf16 matmul TFLOP/s (context for MFU)
     flash_sdpa         flash SDPA forced, seen in the profiler, vs fp32 math; the model's attention on it
     grouped_mm_moe     MoE experts on torch._grouped_mm vs the per-expert loop, bf16 vs fp32

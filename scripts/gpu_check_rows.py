@@ -75,7 +75,7 @@ def _free_port() -> int:
 
 
 def process_group(ctx: Ctx):
-    """The world-size-1 process group and mesh, through engine.distributed.init_distributed and
+    """The world-size-1 process group and mesh, through engine.train.distributed.init_distributed and
     ParallelDims.build_mesh (as a torchrun rank would); created once, then reused.
 
     Returns:
@@ -85,7 +85,7 @@ def process_group(ctx: Ctx):
     """
     if "dist" in ctx.state:
         return ctx.state["dist"], ctx.state["dims"]
-    from engine.distributed import init_distributed
+    from engine.train.distributed import init_distributed
     from parallelisms.parallel_dims import ParallelDims
 
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
@@ -130,8 +130,8 @@ def mfu_args(ctx: Ctx):
 
 
 def build_model(args, device: torch.device, seed: int = 0, parallelize=None):
-    """Meta model → ``parallelize(model)`` → engine.model_builder.materialize (to_empty + init)."""
-    from engine.model_builder import materialize
+    """Meta model → ``parallelize(model)`` → engine.train.model_builder.materialize (to_empty + init)."""
+    from engine.train.model_builder import materialize
     from models.llama.model import Transformer
 
     with torch.device("meta"):
@@ -150,7 +150,7 @@ def synthetic_batch(vocab: int, batch: int, seq_len: int, device: torch.device, 
 
 def step_loss(model, inputs, labels):
     """The trainer's loss: token-sum cross entropy over the batch's label tokens (mean, nats)."""
-    from engine.loss import token_sum_loss
+    from engine.train.loss import token_sum_loss
 
     return token_sum_loss(model(inputs), labels, float(labels.numel()))
 
@@ -196,11 +196,11 @@ def row_device(ctx: Ctx) -> dict:
 
 
 def row_init(ctx: Ctx) -> dict:
-    """engine.distributed.init_distributed at world size 1: cuda:0 with NCCL (gloo on the CPU), one
+    """engine.train.distributed.init_distributed at world size 1: cuda:0 with NCCL (gloo on the CPU), one
     all_reduce and a barrier through the group, and the engine's 5-D mesh on that device type."""
     import torch.distributed as dist
 
-    from engine.distributed import resolve_backend, resolve_device
+    from engine.train.distributed import resolve_backend, resolve_device
 
     start = time.perf_counter()
     info, dims = process_group(ctx)
@@ -227,8 +227,8 @@ def row_init(ctx: Ctx) -> dict:
 
 def row_memory(ctx: Ctx) -> dict:
     """torch.cuda max_memory_allocated / memory_stats / reset_peak_memory_stats around a 512 MiB
-    allocation, and engine.metrics.device_memory_stats (GiB) reading and resetting the peak."""
-    from engine.metrics import device_memory_stats
+    allocation, and engine.observe.metrics.device_memory_stats (GiB) reading and resetting the peak."""
+    from engine.observe.metrics import device_memory_stats
 
     if ctx.dry:
         stats = device_memory_stats(ctx.device)
@@ -259,7 +259,7 @@ def row_memory(ctx: Ctx) -> dict:
 
 def row_matmul(ctx: Ctx) -> dict:
     """Dense bf16 matmul rate: n×n×n products (2n³ FLOP each), 10 timed after 3 warm-ups."""
-    from engine.flops import get_peak_flops
+    from engine.observe.flops import get_peak_flops
 
     n = 256 if ctx.dry else 8192
     a = torch.randn(n, n, device=ctx.device, dtype=torch.bfloat16)

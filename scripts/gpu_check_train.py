@@ -20,9 +20,9 @@ from gpu_check_rows import (
 
 
 def _optimizer(model):
-    """The engine's AdamW with the config's defaults (engine.optimizer.build_optimizer)."""
+    """The engine's AdamW with the config's defaults (engine.train.optimizer.build_optimizer)."""
     from engine.config.schema import OptimizerSection
-    from engine.optimizer import build_optimizer
+    from engine.train.optimizer import build_optimizer
 
     return build_optimizer([model], OptimizerSection())
 
@@ -35,11 +35,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def row_bf16(ctx: Ctx) -> dict:
     """bf16 mixed precision, both ways the engine applies it: FSDP2's MixedPrecisionPolicy
     (parallelisms.data_parallel.apply_fsdp on the 1-rank mesh, as every multi-GPU run) and bf16
-    autocast (engine.runner.StepContext, as a one-process run). Checks: compute in bf16 (the
+    autocast (engine.train.runner.StepContext, as a one-process run). Checks: compute in bf16 (the
     projections output bf16), fp32 sharded master weights and gradients, loss within 2% and the
     first block's gradient within 5% (relative L2) of the fp32 model with the same weights, but
     not equal to it, and an optimizer step that changes the weights. Source: torch.distributed.fsdp.MixedPrecisionPolicy docs."""
-    from engine.runner import StepContext
+    from engine.train.runner import StepContext
     from parallelisms.data_parallel import apply_fsdp
 
     info, dims = process_group(ctx)
@@ -56,7 +56,7 @@ def row_bf16(ctx: Ctx) -> dict:
     with torch.no_grad(), context.autocast():
         logits = ref(inputs)
     assert logits.dtype == torch.bfloat16, f"autocast logits are {logits.dtype}"
-    from engine.loss import token_sum_loss
+    from engine.train.loss import token_sum_loss
 
     loss_autocast = token_sum_loss(logits, labels, float(labels.numel())).item()
 
@@ -136,8 +136,8 @@ def row_mfu(ctx: Ctx) -> dict:
     reduction on the 1-rank mesh (the plan's order), the engine's AdamW and gradient clipping.
     ``warmup`` steps (the first compiles), then up to ``steps`` timed steps (fewer when the row's
     deadline comes first); MFU = FLOPs/token (engine's 6N + 12·L·H·Q·T) × tokens/s / peak
-    (engine.flops table: dense bf16 989 TFLOP/s for an H200). Source: PaLM (arXiv 2204.02311) App. B."""
-    from engine.flops import compute_mfu, compute_tflops, get_peak_flops
+    (engine.observe.flops table: dense bf16 989 TFLOP/s for an H200). Source: PaLM (arXiv 2204.02311) App. B."""
+    from engine.observe.flops import compute_mfu, compute_tflops, get_peak_flops
     from parallelisms.compile import apply_compile
     from parallelisms.data_parallel import apply_fsdp
     from parallelisms.grad_norm import clip_grad_norm_

@@ -3,7 +3,7 @@
     python scripts/seed_checkpoint.py --job.config_file train_configs/debug_model.toml [--section.key value ...]
     NGPU=4 ./run_train.sh [the same overrides]      # any layout starts from these weights
 
-Takes the same arguments as training (engine/train.py) and writes
+Takes the same arguments as training (engine/train/main.py) and writes
 ``<run folder>/<checkpoint.folder>/step-0`` (model weights only): every later run in that folder
 loads them, whatever its parallel degrees, then trains from step 0 with a fresh optimizer. Exit
 status 2 with a one-line message on bad input. The work is done by engine/checkpoint/tools.py.

@@ -27,13 +27,13 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 
-import sentencepiece as spm
-
 # Allow `python scripts/train_tokenizer.py` from the repo root without installing the package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from scripts.project_env import use_project_python  # noqa: E402
 
 use_project_python()  # the system Python of a fresh machine lacks torch: re-run under .venv's
+
+import sentencepiece as spm  # noqa: E402  (after the re-run: a bare Python lacks it)
 
 from engine.data.sources import iter_text_batches, load_documents  # noqa: E402
 

@@ -49,7 +49,7 @@ def train_run(argv: list[str], steps: int | None = None, signal_at: tuple[int, i
     import signal
 
     from engine.config import load_config
-    from engine.trainer import Trainer
+    from engine.train.trainer import Trainer
 
     cfg = load_config(argv)
     cfg.validate()

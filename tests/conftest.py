@@ -13,7 +13,7 @@ try:
     import datasets  # noqa: F401
 except ImportError:  # pragma: no cover - only where datasets is not installed
     pass
-import engine.trainer  # noqa: F401,E402
+import engine.train.trainer  # noqa: F401,E402
 
 from tests.dist_utils import run_distributed
 from tests.training_utils import MAX_NORM, base_args, clipping_sides, train_and_record

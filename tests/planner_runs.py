@@ -127,7 +127,7 @@ def measure_one(argv: list[str]) -> dict:
     import torch.distributed as dist
 
     from engine.config import load_config
-    from engine.trainer import Trainer
+    from engine.train.trainer import Trainer
     from parallelisms.comm_counter import CommCounter, group_names_by_mesh_dim
 
     cfg = load_config(argv)

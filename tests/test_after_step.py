@@ -1,7 +1,7 @@
 """A failure after a trained step (validation, metrics, the profiler's trace) never loses the step.
 
 The loop saves each due checkpoint, and at the last step waits for it to be complete, before it
-reports or validates (engine/trainer.py); a failure there ends the run with one line naming the
+reports or validates (engine/train/trainer.py); a failure there ends the run with one line naming the
 phase, the step and the newest complete checkpoint, and the same command resumes from it.
 """
 
@@ -22,17 +22,19 @@ SETTINGS = {"training.steps": 6, "checkpoint.enable": "true", "checkpoint.interv
 def _main_failing(argv: list[str], error_dir: str, phase: str, fail_at: int) -> int:
     """engine.train.main with ``phase`` raising after step ``fail_at`` (injected in this forked process)."""
     os.environ["QUADRA_ERROR_DIR"] = error_dir
-    from engine import train
-    from engine.metrics import MetricsLogger
-    from engine.trainer import Trainer
+    from engine.train import main as train
+    from engine.observe.metrics import MetricsLogger
+    from engine.checkpoint import CheckpointManager
+    from engine.train.trainer import Trainer
 
-    owner, name = {"validation": (Trainer, "validate"), "metrics": (MetricsLogger, "log")}[phase]
+    owner, name = {"validation": (Trainer, "validate"), "metrics": (MetricsLogger, "log"),
+                   "checkpoint save": (CheckpointManager, "maybe_save")}[phase]
     original = getattr(owner, name)
 
     def failing(self, *args, **kwargs):
         step = self.step if isinstance(self, Trainer) else args[0]
         if step == fail_at:
-            raise RuntimeError(f"injected {phase} failure")
+            raise PermissionError(f"injected {phase} failure")
         return original(self, *args, **kwargs)
 
     setattr(owner, name, failing)
@@ -42,7 +44,7 @@ def _main_failing(argv: list[str], error_dir: str, phase: str, fail_at: int) -> 
 def _resume(argv: list[str]) -> tuple[int, list]:
     """(the step the run resumed at, [(loss, grad_norm)] of the steps it trained)."""
     from engine.config import load_config
-    from engine.trainer import Trainer
+    from engine.train.trainer import Trainer
 
     trainer = Trainer(load_config(argv))
     resumed_at = trainer.step
@@ -52,12 +54,13 @@ def _resume(argv: list[str]) -> tuple[int, list]:
         trainer.close()
 
 
-@pytest.mark.parametrize("phase, fail_at, overrides", [
-    ("validation", 4, {}),                                      # mid-run, sync checkpoint of that step
-    ("metrics", 4, {}),                                         # the metrics record of step 4
-    ("validation", 6, {"checkpoint.async_mode": "async"}),      # the last step, its save in flight
+@pytest.mark.parametrize("phase, fail_at, overrides, newest", [
+    ("validation", 4, {}, 4),                                   # mid-run, sync checkpoint of that step
+    ("metrics", 4, {}, 4),                                      # the metrics record of step 4
+    ("validation", 6, {"checkpoint.async_mode": "async"}, 6),   # the last step, its save in flight
+    ("checkpoint save", 4, {}, 2),                              # the save itself (a full disk): step 2 is kept
 ])
-def test_failure_after_a_step_keeps_it_and_resumes(phase, fail_at, overrides, tmp_path):
+def test_failure_after_a_step_keeps_it_and_resumes(phase, fail_at, overrides, newest, tmp_path):
     settings = {**SETTINGS, **overrides}
     (uninterrupted,) = run_distributed(train_and_record, 1, base_args(str(tmp_path / "whole"), settings),
                                        torchrun_env=False)
@@ -67,12 +70,12 @@ def test_failure_after_a_step_keeps_it_and_resumes(phase, fail_at, overrides, tm
     (status,) = run_distributed(_main_failing, 1, argv, str(error_dir), phase, fail_at, torchrun_env=False)
     assert status == 1
     (line,) = (error_dir / "rank0.err").read_text().splitlines()  # one line
-    assert line.startswith(f"training stopped: {phase} after step {fail_at} failed (RuntimeError: injected "), line
-    assert f"checkpoint step-{fail_at} is complete; the same command resumes from it" in line, line
+    assert line.startswith(f"training stopped: {phase} after step {fail_at} failed (PermissionError: injected "), line
+    assert f"checkpoint step-{newest} is complete; the same command resumes from it" in line, line
     folder = tmp_path / "run" / "checkpoint"
-    assert sorted(os.listdir(folder)) == [f"step-{s}" for s in range(2, fail_at + 1, 2)]
+    assert sorted(os.listdir(folder)) == [f"step-{s}" for s in range(2, newest + 1, 2)]
 
     (resumed,) = run_distributed(_resume, 1, argv, torchrun_env=False)
     resumed_at, history = resumed
-    assert resumed_at == fail_at
-    assert history == uninterrupted[fail_at:]  # bitwise: the step that failed to report was not lost
+    assert resumed_at == newest
+    assert history == uninterrupted[newest:]  # bitwise: the step that failed to report was not lost

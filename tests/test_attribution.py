@@ -1,4 +1,4 @@
-"""engine/attribution.py: each logged step's time split into data, compute, exposed communication
+"""engine/observe/attribution.py: each logged step's time split into data, compute, exposed communication
 per mesh dim, bubble and optimizer, measured, summing to the step time."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from engine.attribution import step_attribution
+from engine.observe.attribution import step_attribution
 from tests.dist_utils import run_distributed
 from tests.training_utils import base_args
 

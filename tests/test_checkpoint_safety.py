@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)
 def _setup_errors(argv_list: list[list[str]]) -> list[str]:
     """Build a Trainer for each argv; -> the error each raised ("no error" if none)."""
     from engine.config import load_config
-    from engine.trainer import Trainer
+    from engine.train.trainer import Trainer
 
     messages = []
     for argv in argv_list:

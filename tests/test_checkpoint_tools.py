@@ -16,7 +16,7 @@ from engine.checkpoint import files
 from engine.checkpoint.state import (
     _restore, _strip, changed_settings, optimizer_settings, reapply_lr, restore_optimizer_settings,
 )
-from engine.signals import StopRequest
+from engine.train.signals import StopRequest
 from tests.dist_utils import run_distributed
 from tests.training_utils import REPO, base_args
 
@@ -36,13 +36,15 @@ def test_scan_prune_and_partial_folders(tmp_path, caplog):
     for step in (2, 4, 10):
         _fake_checkpoint(folder, f"step-{step}")
     _fake_checkpoint(folder, "step-12.tmp")           # a crashed save
-    _fake_checkpoint(folder, "step-14", marker=False)  # not written by our save
+    _fake_checkpoint(folder, "step-14", marker=False)  # damaged after its save, or not ours
     (tmp_path / "notes.txt").write_text("ignored")
     found = files.scan(folder)
     assert sorted(found.complete) == [2, 4, 10] and found.latest == 10
-    assert sorted(map(os.path.basename, found.partial)) == ["step-12.tmp", "step-14"]
+    assert list(map(os.path.basename, found.partial)) == ["step-12.tmp"]
+    assert list(found.incomplete) == [14]
+    assert files.incomplete_reason(found.incomplete[14]) == "quadra.json is missing or not valid JSON"
     files.remove_partial(found)
-    assert "step-12.tmp" in caplog.text and "step-14" in caplog.text
+    assert "step-12.tmp" in caplog.text and "step-14" not in caplog.text  # the loader reports it
     assert not os.path.exists(os.path.join(folder, "step-12.tmp")) and os.path.exists(os.path.join(folder, "step-14"))
     assert files.prune(folder, 0) == [] and files.prune(folder, 1, keep_step=2) == [4]
     assert files.prune(folder, 2) == [] and sorted(files.scan(folder).complete) == [2, 10]
@@ -79,7 +81,7 @@ def test_part_index_is_stripped_and_restored():
 
 def test_reapply_lr_matches_the_scheduler_and_takes_a_new_schedule():
     from engine.config.schema import LRSchedulerSection
-    from engine.lr_scheduler import build_lr_scheduler
+    from engine.train.lr_scheduler import build_lr_scheduler
 
     def scheduler(steps):
         optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
@@ -133,7 +135,7 @@ def _export_round_trip(folder: str) -> dict:
     """Train 2 steps; export step-2; compare with the live model; import; a new run starts from it."""
     from engine.checkpoint.tools import export_model_weights, import_model_weights, save_seed_checkpoint
     from engine.config import load_config
-    from engine.trainer import Trainer
+    from engine.train.trainer import Trainer
 
     def trainer_in(name: str, **overrides) -> Trainer:
         cfg = load_config(base_args(os.path.join(folder, name), {"checkpoint.enable": "true", **overrides}))
@@ -218,3 +220,9 @@ def test_command_line_scripts(tmp_path, capsys):
     assert script.main(["to-hf", dcp_dir, str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "export one of that run's checkpoints" in err, err
+    # The seed's manifest (written by write_model_only) catches a shard damaged since: one line.
+    os.truncate(os.path.join(step0, "__0_0.distcp"), 1000)
+    assert script.main(["to-torch", step0, str(tmp_path / "damaged.pt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {step0!r} is damaged: __0_0.distcp has 1000 bytes, the manifest says "), err
+    assert len(err.splitlines()) == 1 and not os.path.exists(tmp_path / "damaged.pt")

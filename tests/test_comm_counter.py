@@ -41,7 +41,7 @@ def _fsdp_step_bytes(folder: str) -> dict:
     import torch.distributed as dist
 
     from engine.config import load_config
-    from engine.trainer import Trainer
+    from engine.train.trainer import Trainer
     from parallelisms.comm_counter import CommCounter
 
     results = {}

@@ -1,4 +1,4 @@
-"""``./run_train.sh --dry_run`` (engine/dry_run.py through engine/launch.py): 405B on 512 ranks builds
+"""``./run_train.sh --dry_run`` (engine/launch/dry_run.py through engine/launch/launcher.py): 405B on 512 ranks builds
 its real plan in one process without a GPU, reports and exits; bad layouts fail with one line."""
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ def test_dry_run_refuses_a_bad_layout_in_one_line():
 
 
 def test_fit_warning_names_the_predicted_bytes():
-    """The launcher's GPU pre-flight warning (engine/dry_run.py ``fit_message``): the 8B preset on one
+    """The launcher's GPU pre-flight warning (engine/launch/dry_run.py ``fit_message``): the 8B preset on one
     80 GiB GPU cannot hold its 120 GiB of state; the debug model can."""
     from engine.config import load_config
-    from engine.dry_run import fit_message
+    from engine.launch.dry_run import fit_message
     from engine.planner.hardware import GIB, get_gpu
 
     gpu = get_gpu("H100-80GB")
@@ -53,7 +53,7 @@ def test_dry_run_that_does_not_fit_exits_1_with_a_hint():
     last = result.stdout.strip().splitlines()[-2:]
     # 8B on one GPU: 119.6 GiB of state alone; sharding it is the fix, not activation settings.
     assert last[0].startswith("dry run: does NOT fit") and "shard them over more GPUs" in last[1], last
-    from engine.dry_run import fit_hint
+    from engine.launch.dry_run import fit_hint
     from engine.planner.hardware import GIB
     from engine.planner.memory import MemoryEstimate
 
@@ -66,7 +66,7 @@ def test_a_layout_fits_only_within_the_headroom():
     """5 % of the GPU stays free (engine/planner/hardware.py HEADROOM): a total at 97 % of the memory
     is reported as not fitting, one at 94 % fits."""
     from engine.config import load_config
-    from engine.dry_run import fit_message
+    from engine.launch.dry_run import fit_message
     from engine.planner.estimate import estimate
     from engine.planner.hardware import get_gpu
     from engine.planner.layout import Layout

@@ -114,7 +114,7 @@ def test_moe_parity_with_one_process(layout, references, request):
 def _startup_error(argv: list[str]) -> str:
     """The message of the error a Trainer raises at start-up ("" if none)."""
     from engine.config import load_config
-    from engine.trainer import Trainer
+    from engine.train.trainer import Trainer
 
     try:
         Trainer(load_config(argv)).close()
@@ -173,3 +173,36 @@ def test_rank_without_tokens_gets_zero_gradients(runs_2):
     assert all(c["max_error"] < 1e-5 and c["grad_error"] < 1e-5 for c in checks), checks
     # Rank 1 holds experts 2 and 3, which no token chose: defined, zero gradients.
     assert checks[1]["grad_sum"] == 0.0 and checks[0]["grad_sum"] > 0, checks
+
+
+def test_experts_are_sharded_in_the_fsdp_step(monkeypatch, tmp_path):
+    """The MoE plan shards the experts after CP, activation checkpointing (and compile) and just before
+    the blocks' FSDP units, as its docstring orders (models/moe/parallelize.py): the real plan of an
+    ep 2 × cp 2 layout with full AC, built on the meta device under a fake process group, records
+    the order of the steps."""
+    import models.llama.parallelize as llama_plan
+    import models.moe.parallelize as moe_plan
+    from engine.config import load_config
+    from engine.planner.real_plan import build_real_plan
+
+    order = []
+
+    def record(name, real):
+        def wrapped(*args, **kwargs):
+            order.append(name)
+            return real(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(llama_plan, "apply_cp", record("cp", llama_plan.apply_cp))
+    monkeypatch.setattr(llama_plan, "apply_activation_checkpointing",
+                        record("ac", llama_plan.apply_activation_checkpointing))
+    monkeypatch.setattr(llama_plan, "apply_fsdp", record("fsdp", llama_plan.apply_fsdp))
+    monkeypatch.setattr(moe_plan, "shard_module", record("experts", moe_plan.shard_module))
+    cfg = load_config(base_args(str(tmp_path), {**MOE, "parallelism.cp": "2", "parallelism.dp_shard": "2",
+                                                "parallelism.ep": "2", "activation_checkpoint.mode": "full",
+                                                "training.local_batch_size": "4"}))
+    cfg.validate()
+    build_real_plan(cfg, 4, 0, device_type="cpu")
+    experts = [i for i, name in enumerate(order) if name == "experts"]
+    assert experts and order.index("cp") < order.index("ac") < experts[0]
+    assert experts[-1] < order.index("fsdp"), order

@@ -39,7 +39,7 @@ def _free_port() -> int:
 
 
 def test_device_choice_binds_cuda_local_rank(monkeypatch):
-    from engine.distributed import init_distributed, resolve_backend, resolve_device
+    from engine.train.distributed import init_distributed, resolve_backend, resolve_device
 
     count, last = torch.cuda.device_count(), torch.device("cuda", torch.cuda.device_count() - 1)
     assert resolve_device("auto", 0) == torch.device("cuda", 0)
@@ -64,7 +64,7 @@ def test_nccl_world_size_one_mesh_and_fsdp_bf16(monkeypatch):
     on CUDA, and an FSDP2 unit on it computing in bf16 with fp32 sharded weights and gradients."""
     import torch.distributed as dist
 
-    from engine.distributed import init_distributed, shutdown_distributed
+    from engine.train.distributed import init_distributed, shutdown_distributed
     from models.llama.args import LlamaModelArgs
     from models.llama.model import Transformer
     from parallelisms.data_parallel import apply_fsdp
@@ -205,7 +205,7 @@ def test_flash_sdpa_runs_the_models_attention():
 
 
 def test_memory_statistics_through_the_engine():
-    from engine.metrics import device_memory_stats
+    from engine.observe.metrics import device_memory_stats
 
     device = torch.device("cuda", 0)
     torch.cuda.synchronize(device)
@@ -226,7 +226,7 @@ def test_memory_snapshot_after_the_traced_steps(tmp_path):
     """[profiling] memory_snapshot on CUDA: the allocator history is dumped after the traced step."""
     import types
 
-    from engine.profiling import StepProfiler
+    from engine.observe.profiling import StepProfiler
 
     cfg = types.SimpleNamespace(enable=True, start_step=1, num_steps=1, traces_folder="traces", memory_snapshot=True)
     profiler = StepProfiler(cfg, str(tmp_path), 0, torch.device("cuda"))

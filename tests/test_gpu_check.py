@@ -77,7 +77,7 @@ class Blocker(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in {"datasets", "sentencepiece", "tensorboard"}:
             raise ImportError(f"{name} is blocked: the GPU machine has no such package")
 sys.meta_path.insert(0, Blocker())
-import engine.trainer, engine.train  # the engine imports without them too
+import engine.train.trainer, engine.train  # the engine imports without them too
 sys.argv = ["gpu_check.py", *sys.argv[1:]]
 runpy.run_path("scripts/gpu_check.py", run_name="__main__")
 """

@@ -21,7 +21,7 @@ transformers = pytest.importorskip(
 from engine.checkpoint import files  # noqa: E402
 from engine.checkpoint.files import CheckpointError  # noqa: E402
 from engine.checkpoint.hf import export_hf_model, import_hf_model  # noqa: E402
-from engine.checkpoint.hf_config import hf_config_from_args  # noqa: E402
+from engine.checkpoint.hf_adapter import hf_config_from_args  # noqa: E402
 from tests.training_utils import REPO, SMALL_CORPUS, base_args  # noqa: E402
 
 VOCAB = 320  # the test tokenizer's size (256 bytes + 3 specials + merges)
@@ -77,7 +77,7 @@ def quadra_model(checkpoint_dir: str):
     import torch.distributed.checkpoint as dcp
 
     from engine.checkpoint.state import quiet_single_process
-    from engine.model_builder import build_meta_model, materialize
+    from engine.train.model_builder import build_meta_model, materialize
     from models.registry import args_from_record
 
     spec, args = args_from_record(files.read_marker(checkpoint_dir)["model"], checkpoint_dir)
@@ -157,7 +157,7 @@ def test_to_hf_reloads_in_transformers_and_round_trips_bitwise(converted, tmp_pa
 
 def test_preflight_refuses_another_model_than_the_checkpoint(converted, tmp_path):
     from engine.config import load_config
-    from engine.preflight import check_setup
+    from engine.launch.preflight import check_setup
 
     _, dcp_dir, _ = converted["llama_tied_scaled"]
     overrides = {"checkpoint.enable": "true", "checkpoint.initial_load_path": dcp_dir, "model.flavor": "debugmodel",
@@ -180,7 +180,7 @@ def test_preflight_refuses_another_model_than_the_checkpoint(converted, tmp_path
 
 
 def test_models_without_a_hugging_face_equivalent_are_refused():
-    from engine.checkpoint.hf_weights import weight_rules
+    from engine.checkpoint.hf_adapter import weight_rules
     from models.registry import get_model_args
 
     deepseek_style = get_model_args("moe", "debugmodel")  # shared expert, dense first layer, routing bias

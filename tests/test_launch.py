@@ -222,3 +222,17 @@ def test_ranks_do_not_outlive_a_launcher_killed_hard(corpus, tmp_path):
         os.kill(pid, signal.SIGKILL)
     proc.communicate(timeout=30)
     assert not alive, "ranks kept running after their launcher was killed"
+
+
+def test_a_rank_with_its_reason_ended_by_sigterm_exits_1_not_241(tmp_path, capsys):
+    """Rank 0 wrote its one-line reason, then torchrun's SIGTERM ended it (exit code -15): the launcher
+    returns 1 with the reason (it returned -15, which os._exit turned into status 241)."""
+    import types
+
+    from engine.launch.launcher import _summarize_failure
+
+    (tmp_path / "rank0.err").write_text("training stopped: metrics after step 3 failed (PermissionError: x)\n")
+    error = types.SimpleNamespace(failures={0: types.SimpleNamespace(exitcode=-int(signal.SIGTERM)),
+                                            1: types.SimpleNamespace(exitcode=-int(signal.SIGTERM))})
+    assert _summarize_failure(error, str(tmp_path), types.SimpleNamespace(interrupts=0)) == 1
+    assert "metrics after step 3 failed" in capsys.readouterr().err

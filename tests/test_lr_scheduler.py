@@ -1,4 +1,4 @@
-"""engine/lr_scheduler.py: the schedule values, driven through LambdaLR like a training loop."""
+"""engine/train/lr_scheduler.py: the schedule values, driven through LambdaLR like a training loop."""
 
 import math
 import pickle
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.lr_scheduler import build_lr_scheduler, lr_factor
+from engine.train.lr_scheduler import build_lr_scheduler, lr_factor
 
 LR = 1e-3
 

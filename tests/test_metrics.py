@@ -1,4 +1,4 @@
-"""engine/metrics.py and engine/flops.py: console line, jsonl, TensorBoard, MFU, peak FLOPS."""
+"""engine/observe/metrics.py and engine/observe/flops.py: console line, jsonl, TensorBoard, MFU, peak FLOPS."""
 
 import json
 import logging
@@ -9,8 +9,8 @@ import types
 import pytest
 import torch
 
-from engine.flops import compute_mfu, compute_tflops, get_peak_flops, lookup_peak_tflops
-from engine.metrics import MetricsLogger, device_memory_stats, format_duration, init_logging
+from engine.observe.flops import compute_mfu, compute_tflops, get_peak_flops, lookup_peak_tflops
+from engine.observe.metrics import MetricsLogger, device_memory_stats, format_duration, init_logging
 
 
 def _cfg(**overrides):
@@ -43,7 +43,7 @@ def test_peak_tflops_follow_the_chip(name, sms, flops_per_clock, ghz):
 def test_peak_table_patterns_cannot_shadow_each_other():
     """First match wins, so a pattern that occurs inside a later one ("H100" in "H100 NVL") must come
     after it; and a GPU name matches only whole tokens."""
-    from engine.flops import PEAK_BF16_TFLOPS
+    from engine.observe.flops import PEAK_BF16_TFLOPS
 
     patterns = [pattern for pattern, _ in PEAK_BF16_TFLOPS]
     assert len(set(patterns)) == len(patterns)
@@ -255,3 +255,15 @@ def test_other_ranks_print_only_when_asked(tmp_path, caplog, log_all_ranks):
     assert len(printed) == int(log_all_ranks)
     assert not (tmp_path / "metrics.jsonl").exists()  # files stay rank 0's
     log.close()
+
+
+def test_mfu_and_the_planner_read_one_gpu_table():
+    """The planner's GPUs (engine/planner/hardware.py) and MFU's peaks are the same table: a driver's
+    name gives the same peak FLOP/s to both."""
+    from engine.planner.hardware import GPUS, gpu_from_device_name
+
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA A100-SXM4-40GB", "NVIDIA A100 80GB PCIe",
+                 "NVIDIA B200"):
+        gpu = gpu_from_device_name(name)
+        assert gpu is not None and gpu.name in GPUS
+        assert get_peak_flops("cuda", name, 0.0) == gpu.peak_flops

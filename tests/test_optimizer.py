@@ -1,4 +1,4 @@
-"""engine/optimizer.py: param groups, implementation flags, errors."""
+"""engine/train/optimizer.py: param groups, implementation flags, errors."""
 
 import types
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.optimizer import build_optimizer
+from engine.train.optimizer import build_optimizer
 
 
 def _cfg(**overrides):

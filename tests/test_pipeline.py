@@ -127,7 +127,7 @@ def test_pipeline_parity_with_one_process(layout, reference, runs):
 
 def _train_with_validation(argv):
     from engine.config import load_config
-    from engine.trainer import Trainer
+    from engine.train.trainer import Trainer
 
     cfg = load_config(argv)
     trainer = Trainer(cfg)

@@ -138,7 +138,7 @@ def test_presets_fit_their_gpus(preset):
 def test_flops_per_token_equal_the_models_accounting(model):
     """The planner's torch-free 6N + attention (active experts only) equals the models' own
     ``get_nparams_and_flops`` on the built meta model, which MFU in training uses."""
-    from engine.model_builder import build_meta_model
+    from engine.train.model_builder import build_meta_model
     from engine.planner.estimate import training_flops_per_token
     from engine.planner.layout import Layout
 

@@ -1,4 +1,4 @@
-"""engine/profiling.py: a ``[profiling]`` run leaves a trace per rank that a trace viewer opens."""
+"""engine/observe/profiling.py: a ``[profiling]`` run leaves a trace per rank that a trace viewer opens."""
 
 from __future__ import annotations
 

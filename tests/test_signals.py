@@ -1,4 +1,4 @@
-"""The rank side of stop signals (engine/signals.py), in this process: what one and two SIGINTs do."""
+"""The rank side of stop signals (engine/train/signals.py), in this process: what one and two SIGINTs do."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from engine import signals
+from engine.train import signals
 
 
 @pytest.fixture

@@ -166,7 +166,7 @@ def test_vocab_parallel_embedding_keeps_gradient_sharded(sequence_parallel):
 def _startup_error(argv: list[str]) -> str:
     """The message of the error a Trainer raises at start-up ("" if none)."""
     from engine.config import load_config
-    from engine.trainer import Trainer
+    from engine.train.trainer import Trainer
 
     cfg = load_config(argv)
     cfg.validate()

@@ -140,7 +140,7 @@ def test_train_tokenizer_script_errors(tmp_path):
 
 def _train_with_tokenizer(argv):
     from engine.config import load_config
-    from engine.trainer import Trainer
+    from engine.train.trainer import Trainer
 
     trainer = Trainer(load_config(argv))
     try:

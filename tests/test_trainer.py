@@ -18,7 +18,7 @@ def _poison_then_step(argv: list[str]) -> str:
     import torch
 
     from engine.config import load_config
-    from engine.trainer import Trainer, TrainingDivergedError
+    from engine.train.trainer import Trainer, TrainingDivergedError
 
     cfg = load_config(argv)
     cfg.validate()
@@ -86,7 +86,7 @@ def test_bfloat16_gradient_reduction_trains_close_to_fp32(reference, tmp_path):
 
 def _validation_loss(argv):
     from engine.config import load_config
-    from engine.trainer import Trainer
+    from engine.train.trainer import Trainer
 
     trainer = Trainer(load_config(argv))
     try:

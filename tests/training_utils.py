@@ -120,7 +120,7 @@ def train_and_record(argv: list[str]) -> History:
     gradient than its shard of the parameter. Every validation the loop runs is recorded.
     """
     from engine.config import load_config
-    from engine.trainer import Trainer
+    from engine.train.trainer import Trainer
 
     cfg = load_config(argv)
     cfg.validate()

@@ -9,7 +9,10 @@ A save writes into ``step-N.tmp``; when every rank has finished writing (DCP's o
 last thing it writes, after gathering every rank's results), rank 0 writes ``quadra.json`` and renames
 the folder to ``step-N``. The rename is atomic on POSIX file systems, and the marker is checked as
 well, so a crash at any moment leaves either the old set of checkpoints or the old set plus a
-complete new one; a partial folder is recognisable and ignored (with a warning) at resume.
+complete new one; a ``.tmp`` folder is recognisable and removed (with a warning) at resume. A
+``step-N`` folder without DCP's metadata or the marker was damaged after its save (or not written
+by this engine): the manager reports it as damaged and falls back past it. ``quadra.json`` also
+holds the manifest, the size and checksum of every file (engine/checkpoint/manifest.py).
 
 Only plain file operations live here; the state that goes into a checkpoint is in
 engine/checkpoint/state.py and the orchestration in engine/checkpoint/manager.py.
@@ -70,7 +73,16 @@ def read_marker(path: str) -> dict | None:
 
 def is_complete(path: str) -> bool:
     """True when ``path`` holds DCP's metadata and a readable marker (the last two files written)."""
-    return os.path.isfile(os.path.join(path, DCP_METADATA)) and read_marker(path) is not None
+    return incomplete_reason(path) is None
+
+
+def incomplete_reason(path: str) -> str | None:
+    """None when ``path`` holds DCP's metadata and a readable marker, else which one it lacks."""
+    if not os.path.isfile(os.path.join(path, DCP_METADATA)):
+        return f"{DCP_METADATA} is missing"
+    if read_marker(path) is None:
+        return f"{MARKER} is missing or not valid JSON"
+    return None
 
 
 def finish(tmp_path: str, final_path: str) -> None:
@@ -98,10 +110,12 @@ def _fsync_dir(path: str) -> None:
 
 @dataclass
 class FolderScan:
-    """What a checkpoint folder holds: complete checkpoints by step, and folders never completed."""
+    """What a checkpoint folder holds, by step: complete checkpoints, and ``step-N`` folders without
+    DCP's metadata or the marker (``incomplete``); ``partial``: the ``step-N.tmp`` folders."""
 
     complete: dict[int, str]
     partial: list[str]
+    incomplete: dict[int, str]
 
     @property
     def latest(self) -> int | None:
@@ -109,11 +123,12 @@ class FolderScan:
 
 
 def scan(folder: str) -> FolderScan:
-    """List ``folder``'s complete checkpoints and its partial ones (``*.tmp``, or no marker)."""
+    """List ``folder``'s complete checkpoints, its ``step-N.tmp`` folders and incomplete ``step-N`` ones."""
     complete: dict[int, str] = {}
     partial: list[str] = []
+    incomplete: dict[int, str] = {}
     if not os.path.isdir(folder):
-        return FolderScan(complete, partial)
+        return FolderScan(complete, partial, incomplete)
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
         if not os.path.isdir(path):
@@ -121,28 +136,19 @@ def scan(folder: str) -> FolderScan:
         if _TMP_RE.match(name):
             partial.append(path)
         elif (match := _STEP_RE.match(name)) is not None:
-            if is_complete(path):
-                complete[int(match.group(1))] = path
-            else:
-                partial.append(path)
-    return FolderScan(complete, partial)
+            (complete if is_complete(path) else incomplete)[int(match.group(1))] = path
+    return FolderScan(complete, partial, incomplete)
 
 
 def remove_partial(scan_result: FolderScan) -> None:
-    """Warn about, and delete, the ``*.tmp`` folders of a scan (crashed saves); keep others.
+    """Warn about, and delete, the ``*.tmp`` folders of a scan (saves that did not finish).
 
-    A ``step-N`` folder without a marker was not written by this engine's save (which renames
-    only complete folders), so it is reported but left alone for the user to inspect.
+    Incomplete ``step-N`` folders are left alone: this engine's save renames only complete
+    folders, so one was damaged later (or written by something else) and the user may inspect it.
     """
     for path in scan_result.partial:
-        if path.endswith(TMP_SUFFIX):
-            logger.warning("ignoring incomplete checkpoint %s (a save that did not finish); removing it", path)
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            logger.warning(
-                "ignoring %s: it lacks %s or %s, so it is not a complete checkpoint; left in place",
-                path, DCP_METADATA, MARKER,
-            )
+        logger.warning("ignoring incomplete checkpoint %s (a save that did not finish); removing it", path)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def prune(folder: str, keep_latest_k: int, keep_step: int | None = None) -> list[int]:

@@ -1,6 +1,6 @@
 """Hugging Face checkpoints (safetensors + config.json) <-> Quadra DCP checkpoints, one process.
 
-- :func:`import_hf_model`: a Llama-family or Mixtral folder -> a model-only DCP checkpoint (float32,
+- :func:`import_hf_model`: a folder of a model type some family's adapter reads (Llama, Mixtral) -> a model-only DCP checkpoint (float32,
   like the master weights a run saves) that any layout starts from with
   ``checkpoint.initial_load_path``; its quadra.json holds the model arguments built from
   config.json (``model.args_path`` reads them), and the tokenizer files are copied beside it.
@@ -8,7 +8,8 @@
   ``model.safetensors`` (sharded with ``model.safetensors.index.json`` above ``max_shard_bytes``),
   ``config.json`` and ``generation_config.json`` for ``transformers.AutoModelForCausalLM``.
 
-Names and layouts map through engine/checkpoint/hf_weights.py (:func:`weight_rules`).
+Names and layouts map through the family's adapter (models/<family>/hf.py, found by
+engine/checkpoint/hf_adapter.py).
 
 Memory: import reads one tensor at a time from the memory-mapped safetensors files and DCP writes
 each into its own file before the next is made (an 8B model never sits in memory). Export holds
@@ -27,10 +28,9 @@ import torch.distributed.checkpoint as dcp
 
 from engine.checkpoint import files
 from engine.checkpoint.files import CheckpointError
-from engine.checkpoint.hf_config import args_from_hf_config, generation_config, hf_config_from_args
-from engine.checkpoint.hf_weights import weight_rules
+from engine.checkpoint.hf_adapter import args_from_hf_config, generation_config, hf_config_from_args, weight_rules
 from engine.checkpoint.state import MODEL_KEY, quiet_single_process, saved_model_keys
-from engine.checkpoint.tools import DTYPES, write_model_only
+from engine.checkpoint.tools import DTYPES, check_intact, write_model_only
 
 __all__ = ["import_hf_model", "export_hf_model", "TOKENIZER_FILES"]
 
@@ -41,7 +41,7 @@ INDEX = "model.safetensors.index.json"
 
 def _expected_shapes(name: str, args) -> dict[str, tuple[int, ...]]:
     """{FQN: shape} of the model's state dict, from a meta-device model (no memory)."""
-    from engine.model_builder import build_meta_model
+    from engine.train.model_builder import build_meta_model
     from models.registry import get_model_spec
 
     model = build_meta_model(get_model_spec(name), args)
@@ -97,7 +97,7 @@ def import_hf_model(hf_dir: str, checkpoint_dir: str) -> dict:
         number of tensors and parameters written, and the copied tokenizer file (or None).
 
     Raises:
-        CheckpointError: no config.json, an unsupported model (see hf_config.py), a missing or
+        CheckpointError: no config.json, an unsupported model (see the family's models/<family>/hf.py), a missing or
             unexpected weight, or a weight whose shape does not match config.json.
     """
     from models.registry import model_record
@@ -218,8 +218,8 @@ def export_hf_model(checkpoint_dir: str, out_dir: str, dtype: str | None = None,
         {"name", "tensors", "shards", "bytes", "tokenizer"}.
 
     Raises:
-        CheckpointError: not a DCP checkpoint, an unknown model, a model Hugging Face cannot express,
-            a missing weight, or an existing ``out_dir``.
+        CheckpointError: not a DCP checkpoint, damaged (tools.check_intact), an unknown model, a model
+            Hugging Face cannot express, a missing weight, or an existing ``out_dir``.
     """
     from safetensors.torch import save_file
 
@@ -231,6 +231,7 @@ def export_hf_model(checkpoint_dir: str, out_dir: str, dtype: str | None = None,
         raise CheckpointError(f"{checkpoint_dir!r} is not a DCP checkpoint folder (no {files.DCP_METADATA})")
     if os.path.exists(out_dir):
         raise CheckpointError(f"{out_dir!r} already exists; choose a new output folder or remove it")
+    check_intact(checkpoint_dir)
     marker = files.read_marker(checkpoint_dir) or {}
     name, args = _checkpoint_model(checkpoint_dir, marker)
     tokenizer_path = _tokenizer_for(checkpoint_dir, marker)
@@ -253,18 +254,7 @@ def export_hf_model(checkpoint_dir: str, out_dir: str, dtype: str | None = None,
     out_type = DTYPES.get(config_dtype, torch.float32)
     config = hf_config_from_args(name, args, dtype=config_dtype, bos_id=bos, eos_id=eos)
 
-    # (hf key, rule, output index, bytes) in Hugging Face's order, cut greedily into shards.
-    outputs = []
-    for rule in rules:
-        if args.tie_embeddings and rule.quadra == "output.weight":
-            continue
-        per_key = torch.Size(entries[f"{MODEL_KEY}.{rule.quadra}"].size).numel() // len(rule.hf)
-        outputs += [(key, rule, i, per_key * out_type.itemsize) for i, key in enumerate(rule.hf)]
-    shards: list[list] = [[]]
-    for item in outputs:
-        if shards[-1] and sum(x[3] for x in shards[-1]) + item[3] > max_shard_bytes:
-            shards.append([])
-        shards[-1].append(item)
+    outputs, shards = _shard_plan(rules, entries, args, out_type, max_shard_bytes)
     tmp = out_dir.rstrip("/") + files.TMP_SUFFIX
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -289,16 +279,39 @@ def export_hf_model(checkpoint_dir: str, out_dir: str, dtype: str | None = None,
         _write_json(os.path.join(tmp, INDEX), {"metadata": {"total_size": total}, "weight_map": weight_map})
     _write_json(os.path.join(tmp, "config.json"), config)
     _write_json(os.path.join(tmp, "generation_config.json"), generation_config(config))
-    copied = None
-    if tokenizer_path is not None and tokenizer_path.endswith(".json"):
-        folder = os.path.dirname(os.path.abspath(tokenizer_path))
-        for file_name in ("tokenizer_config.json", "special_tokens_map.json"):
-            if os.path.isfile(os.path.join(folder, file_name)):
-                shutil.copyfile(os.path.join(folder, file_name), os.path.join(tmp, file_name))
-        shutil.copyfile(tokenizer_path, os.path.join(tmp, "tokenizer.json"))
-        copied = tokenizer_path
+    copied = _copy_hf_tokenizer(tokenizer_path, tmp)
     os.replace(tmp, out_dir)
     return {"name": name, "tensors": len(outputs), "shards": len(shards), "bytes": total, "tokenizer": copied}
+
+
+def _shard_plan(rules, entries, args, out_type, max_shard_bytes: int) -> tuple[list, list[list]]:
+    """(outputs, shards): every (hf key, rule, output index, bytes) in Hugging Face's order (a tied head
+    left out), and the same cut greedily into shards of at most ``max_shard_bytes``."""
+    outputs = []
+    for rule in rules:
+        if args.tie_embeddings and rule.quadra == "output.weight":
+            continue
+        per_key = torch.Size(entries[f"{MODEL_KEY}.{rule.quadra}"].size).numel() // len(rule.hf)
+        outputs += [(key, rule, i, per_key * out_type.itemsize) for i, key in enumerate(rule.hf)]
+    shards: list[list] = [[]]
+    for item in outputs:
+        if shards[-1] and sum(x[3] for x in shards[-1]) + item[3] > max_shard_bytes:
+            shards.append([])
+        shards[-1].append(item)
+    return outputs, shards
+
+
+def _copy_hf_tokenizer(tokenizer_path: str | None, folder: str) -> str | None:
+    """Copy a Hugging Face ``tokenizer.json`` (and the config files beside it) into ``folder``; returns
+    the copied path, or None for no or a SentencePiece tokenizer."""
+    if tokenizer_path is None or not tokenizer_path.endswith(".json"):
+        return None
+    source = os.path.dirname(os.path.abspath(tokenizer_path))
+    for file_name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if os.path.isfile(os.path.join(source, file_name)):
+            shutil.copyfile(os.path.join(source, file_name), os.path.join(folder, file_name))
+    shutil.copyfile(tokenizer_path, os.path.join(folder, "tokenizer.json"))
+    return tokenizer_path
 
 
 def _readable_like_open(path: str) -> None:

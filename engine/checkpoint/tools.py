@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from engine.checkpoint import files
+from engine.checkpoint import files, manifest
 from engine.checkpoint.files import CheckpointError
 from engine.checkpoint.state import MODEL_KEY, quiet_single_process, saved_model_keys
 
@@ -36,7 +36,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def write_model_only(weights: dict[str, torch.Tensor], folder: str, marker: dict, *, resolve=None,
                       before_marker=None) -> str:
-    """Write ``{"model": weights}`` with DCP into ``folder`` (via ``folder.tmp``) with its marker.
+    """Write ``{"model": weights}`` with DCP into ``folder`` (via ``folder.tmp``) with its marker,
+    which holds the manifest of every file (engine/checkpoint/manifest.py).
 
     Args:
         resolve: None, or ``fqn -> tensor``: then ``weights`` only give shapes and dtypes (e.g. meta
@@ -64,9 +65,24 @@ def write_model_only(weights: dict[str, torch.Tensor], folder: str, marker: dict
             dcp.save({MODEL_KEY: weights}, storage_writer=writer, planner=_LazySavePlanner(resolve), no_dist=True)
     if before_marker is not None:
         before_marker(tmp)
-    files.write_marker(tmp, {"model_only": True, **marker})
+    described = manifest.describe(tmp, manifest.checkpoint_files(tmp, files.MARKER))
+    files.write_marker(tmp, {"model_only": True, **marker, manifest.KEY: described})
     files.finish(tmp, folder)
     return folder
+
+
+def check_intact(checkpoint_dir: str) -> None:
+    """Check every file of a checkpoint folder against the manifest in its quadra.json (sizes and
+    checksums, engine/checkpoint/manifest.py); a folder without one passes.
+
+    Raises:
+        CheckpointError: a file is missing, or its size or checksum differs; names it.
+    """
+    entries = (files.read_marker(checkpoint_dir) or {}).get(manifest.KEY) or {}
+    problem = manifest.check(checkpoint_dir, entries)
+    if problem:
+        raise CheckpointError(f"{checkpoint_dir!r} is damaged: {problem}. Fix: restore it from a copy, or use "
+                              "another checkpoint")
 
 
 class _LazySavePlanner(DefaultSavePlanner):
@@ -97,8 +113,8 @@ def export_model_weights(checkpoint_dir: str, out_path: str, dtype: str | None =
         The number of tensors written.
 
     Raises:
-        CheckpointError: not a DCP checkpoint folder, no model weights in it, an unknown dtype, or
-            ``out_path`` exists (never overwritten).
+        CheckpointError: not a DCP checkpoint folder, damaged (see :func:`check_intact`), no model
+            weights in it, an unknown dtype, or ``out_path`` exists (never overwritten).
     """
     if os.path.exists(out_path):
         raise CheckpointError(f"{out_path!r} already exists; choose a new output file or remove it")
@@ -106,6 +122,7 @@ def export_model_weights(checkpoint_dir: str, out_path: str, dtype: str | None =
         raise CheckpointError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
     if not os.path.isfile(os.path.join(checkpoint_dir, files.DCP_METADATA)):
         raise CheckpointError(f"{checkpoint_dir!r} is not a DCP checkpoint folder (no {files.DCP_METADATA})")
+    check_intact(checkpoint_dir)
     metadata = dcp.FileSystemReader(checkpoint_dir).read_metadata()
     keys = saved_model_keys(metadata)
     if not keys:
@@ -155,12 +172,12 @@ def save_seed_checkpoint(cfg) -> str:
     Raises:
         CheckpointError: the checkpoint folder already holds a complete checkpoint (a seed would be
             ignored in favour of it).
-        ValueError: bad [model] settings (see engine.model_builder.resolve_model_args).
+        ValueError: bad [model] settings (see engine/launch/preflight.py ``resolve_model_setup``).
     """
     from engine.config import config_to_toml
-    from engine.model_builder import build_meta_model, materialize
-    from models.registry import model_record, resolve_model
-    from engine.data.tokenizer import Tokenizer
+    from engine.train.model_builder import build_model_parts
+    from engine.launch.preflight import resolve_model_setup
+    from models.registry import model_record
 
     folder = os.path.join(cfg.run_folder, cfg.checkpoint.folder)
     found = files.scan(folder)
@@ -168,10 +185,8 @@ def save_seed_checkpoint(cfg) -> str:
         raise CheckpointError(
             f"{folder!r} already holds checkpoints {sorted(found.complete)}; a run resumes from those, "
             "so a seed checkpoint would never be used. Fix: use a fresh job.dump_folder")
-    tokenizer = Tokenizer(cfg.model.tokenizer_path)
-    spec, args, base_args, _ = resolve_model(cfg.model, seq_len=cfg.training.seq_len,
-                                             tokenizer_vocab_size=tokenizer.vocab_size)
-    model = materialize(build_meta_model(spec, args), torch.device("cpu"), cfg.training.seed)
+    model_setup = resolve_model_setup(cfg)
+    (model,), _, _ = build_model_parts(cfg, model_setup.spec, model_setup.args, device=torch.device("cpu"))
     marker = {"step": 0, "seed": cfg.training.seed, "config": config_to_toml(cfg),
-              "model": model_record(cfg.model.name, base_args)}
+              "model": model_record(cfg.model.name, model_setup.base_args)}
     return write_model_only(get_model_state_dict(model), files.step_dir(folder, 0), marker)

@@ -15,6 +15,8 @@ read-only after loading.
 # the real classes (str/int/float/bool), not their string names.
 from dataclasses import dataclass, field
 
+from models.registry import DEFAULT_MODEL_NAME  # torch-free
+
 
 def _opt(default, doc: str, choices: tuple | None = None, int_ok: bool = False):
     """A dataclass field with its ``--help`` doc and, optionally, its allowed values.
@@ -53,7 +55,7 @@ class JobSection:
 class ModelSection:
     """``[model]``: which registered model and flavor, and its tokenizer."""
 
-    name: str = _opt("llama", "registered model name (see models/)")
+    name: str = _opt(DEFAULT_MODEL_NAME, "registered model name (see models/)")
     flavor: str = _opt("debugmodel", "model size preset within the model's flavors, e.g. debugmodel, 8B")
     args_path: str = _opt("", "model arguments instead of the flavor: a folder written by convert_checkpoint.py "
                               "from-hf (or a checkpoint step folder), or its quadra.json")
@@ -115,7 +117,7 @@ class TrainingSection:
 class OptimizerSection:
     """``[optimizer]``: AdamW hyperparameters (Loshchilov & Hutter 2019)."""
 
-    name: str = _opt("AdamW", "optimizer name (see engine/optimizer.py)")
+    name: str = _opt("AdamW", "optimizer name (see engine/train/optimizer.py)")
     lr: float = _opt(8e-4, "peak learning rate (reached at the end of warmup)")
     beta1: float = _opt(0.9, "Adam first-moment decay")
     beta2: float = _opt(0.95, "Adam second-moment decay")
@@ -183,14 +185,16 @@ class CommSection:
 class CheckpointSection:
     """``[checkpoint]``: save and resume with torch Distributed Checkpoint (engine/checkpoint/manager.py)."""
 
-    enable: bool = _opt(False, "save checkpoints, and resume from the newest complete one at start")
+    enable: bool = _opt(False, "save checkpoints, and resume from the newest complete one at start (a damaged "
+                               "one, failing its recorded sizes/checksums or unreadable, is named and skipped)")
     folder: str = _opt("checkpoint", "checkpoint folder (holds step-N folders), relative to the run folder")
     interval: int = _opt(500, "save every N steps (and after the last step)")
     keep_latest_k: int = _opt(0, "keep the newest K complete checkpoints, delete older ones; 0 keeps all")
     async_mode: str = _opt("disabled", "disabled: training waits for each save; async: write in a "
                                        "background thread while training continues",
                            choices=("disabled", "async"))
-    load_step: int = _opt(-1, "resume from step-N of the folder; -1: the newest complete checkpoint")
+    load_step: int = _opt(-1, "resume from step-N of the folder (refused if damaged); -1: the newest complete "
+                              "checkpoint that verifies")
     initial_load_path: str = _opt("", "a DCP checkpoint folder to start from when the folder holds none "
                                       "(e.g. another run's step-N)")
     initial_load_model_only: bool = _opt(True, "from initial_load_path load model weights only "
@@ -221,7 +225,7 @@ class ActivationCheckpointSection:
 
 @dataclass
 class ProfilingSection:
-    """``[profiling]``: torch.profiler traces of chosen steps and CUDA memory snapshots (engine/profiling.py)."""
+    """``[profiling]``: torch.profiler traces of chosen steps and CUDA memory snapshots (engine/observe/profiling.py)."""
 
     enable: bool = _opt(False, "trace steps start_step .. start_step + num_steps - 1 with torch.profiler")
     start_step: int = _opt(3, "first traced step (1-based; later than 1 keeps start-up cost out of the trace)")

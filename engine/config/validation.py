@@ -85,7 +85,7 @@ def _mixture_problems(cfg) -> list[str]:
 
 def config_warnings(cfg) -> list[str]:
     """Settings that work but are unusual: warned about once at launch, never refused."""
-    from engine.lr_scheduler import effective_warmup_steps
+    from engine.train.lr_scheduler import effective_warmup_steps
 
     t, s = cfg.training, cfg.lr_scheduler
     warnings = []

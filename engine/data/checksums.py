@@ -61,8 +61,11 @@ def recorded_digest(entry: dict) -> tuple[str, str]:
 def new_hasher(algorithm: str):
     """A streaming hasher (``update(bytes)``, ``hexdigest()``) of ``algorithm`` (xxh3_128 or sha256)."""
     if algorithm == DIGEST:
-        import xxhash
-
+        try:
+            import xxhash
+        except ImportError:
+            raise PreparedDataError("checking a prepared set's xxh3-128 digests needs the xxhash package (a "
+                                    "dependency in pyproject.toml); install it: pip install xxhash") from None
         return xxhash.xxh3_128()
     return hashlib.new(algorithm)
 

@@ -7,6 +7,6 @@
 - ``memory``, ``comm``, ``schedule``: the per-rank formulas; ``estimate`` puts them together with the
   hardware into a step time and MFU; ``search`` ranks layouts and names the decision-matrix row.
 - ``real_plan``: the same per-rank bytes read from the real plan built on the meta device under a
-  fake process group (the ``--dry_run`` path, engine/dry_run.py).
+  fake process group (the ``--dry_run`` path, engine/launch/dry_run.py).
 - ``report``: the text table and the JSON.
 """

@@ -34,7 +34,7 @@ Recomputation (``full`` AC) repeats each block's forward collectives (tp, cp, ep
 
 from __future__ import annotations
 
-from engine.planner.memory import rank_params
+from engine.planner.params import rank_params
 from engine.planner.params import padded_numel
 
 _RING = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
@@ -117,9 +117,10 @@ def comm_bytes(layout, coords: dict | None = None) -> dict[str, dict]:
             tally.add("cp", "send", n_mb * n_layers * send)
             tally.add("cp", "recv", n_mb * n_layers * send)
     if layout.ep > 1:
-        moe_layers = sum(1 for i in layer_ids if a.is_moe_layer(i))
-        rows = b * s * a.top_k * h * pb
-        per_layer = 2 * rows * recompute + 2 * rows + 8 * a.num_experts * recompute
+        routing = layout.model_spec.get("expert_routing")(a)
+        moe_layers = sum(1 for i in layer_ids if i in routing.moe_layers)
+        rows = b * s * routing.top_k * h * pb
+        per_layer = 2 * rows * recompute + 2 * rows + 8 * routing.num_experts * recompute
         tally.add("ep", "all_to_all", n_mb * moe_layers * per_layer)
         tally.add("ep", "all_reduce", 8)  # gradient norm partial of the expert shards
     if layout.pp > 1:

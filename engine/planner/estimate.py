@@ -1,7 +1,7 @@
 """Predicted step time and MFU of a layout on a GPU, from its FLOPs, communication and bubble.
 
     compute   = FLOPs per rank / (peak_flops · efficiency)      FLOPs: 6N + attention per token
-                (models/*/args.py ``get_nparams_and_flops``, PaLM App. B) × tokens of the step / ranks,
+                (the family's ``ModelSpec.flops_per_token``, PaLM App. B) × tokens of the step / ranks,
                 × 4/3 under full AC (the forward runs twice), × (1 + 1/(3N)) for every N-th block
     exposed   = (tp + cp + ep + pp wire bytes) / link            (on the critical path)
     overlap   = max(0, dp wire bytes / link - compute)           (FSDP/DDP prefetch hides the rest)
@@ -60,18 +60,9 @@ class LayoutEstimate:
 
 
 def training_flops_per_token(layout) -> float:
-    """6N + attention FLOPs per token of the whole model (the metric MFU uses), torch-free: N from
-    engine/planner/params.py (embedding excluded unless tied, as ``get_nparams_and_flops`` does);
-    for MoE only the routed top_k of the experts count (active parameters)."""
-    from engine.planner.params import model_params
-
-    a = layout.model_args
-    n = 0
-    for spec in model_params(a):
-        if spec.name.startswith("tok_embeddings") and not a.tie_embeddings:
-            continue
-        n += spec.numel * (a.top_k / a.num_experts if spec.expert else 1)
-    return 6 * n + 12 * a.n_layers * a.n_heads * a.head_dim * layout.seq_len
+    """Training FLOPs per token of the whole model (the metric MFU uses), torch-free: the family's
+    ``ModelSpec.flops_per_token`` (6N + attention; for MoE the active parameters only)."""
+    return layout.model_spec.get("flops_per_token")(layout.model_args, layout.seq_len)
 
 
 def recompute_factor(layout) -> float:

@@ -1,15 +1,19 @@
-"""A small GPU table: peak dense bf16 FLOP/s, HBM bytes and link bandwidths, overridable.
+"""The one GPU table: peak dense bf16 FLOP/s, HBM bytes and link bandwidths, overridable (torch-free).
 
-Peak FLOP/s are the vendors' dense (no sparsity) bf16 tensor-core figures, the ones engine/flops.py
-uses for MFU. Bandwidths are per GPU and per direction, in bytes/s: NVLink from the NVIDIA datasheets
-(A100 SXM 600 GB/s bidirectional = 300 GB/s each way; H100/H200 900 GB/s = 450; B200 1.8 TB/s =
-900), inter-node from one 200 Gb/s (A100) or 400 Gb/s (H100/H200/B200) InfiniBand NIC per GPU, the
+MFU (engine/observe/flops.py, PaLM App. B) reads the peaks by the device's name; the layout planner
+(engine/planner/, ``--dry_run``, scripts/plan.py) reads the rows whose memory and links are known.
+Peak FLOP/s are the vendors' dense (no 2:4 sparsity) bf16 tensor-core figures from their datasheets.
+Bandwidths are per GPU and per direction, in bytes/s: NVLink from the NVIDIA datasheets (A100 SXM
+600 GB/s bidirectional = 300 GB/s each way; H100/H200 900 GB/s = 450; B200 1.8 TB/s = 900),
+inter-node from one 200 Gb/s (A100) or 400 Gb/s (H100/H200/B200) InfiniBand NIC per GPU, the
 DGX/HGX reference designs (25 and 50 GB/s). Every value can be overridden from the command line
-(scripts/plan.py ``--peak_tflops``, ``--hbm_gib``, ``--nvlink_gbps``, ``--internode_gbps``).
+(scripts/plan.py ``--peak_tflops``, ``--hbm_gib``, ``--nvlink_gbps``, ``--internode_gbps``; for MFU
+``metrics.peak_tflops``).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 GIB = 1024**3
@@ -25,23 +29,40 @@ class GPU:
     """One accelerator model.
 
     Attributes:
-        name: table key, e.g. "H100-80GB".
+        name: table key, e.g. "H100-80GB" (a row the planner can use) or "L4" (peak only).
         peak_flops: dense bf16 FLOP/s.
-        memory_bytes: HBM capacity in bytes.
-        nvlink_bytes_per_s: intra-node bandwidth per GPU, one direction (bytes/s).
-        internode_bytes_per_s: network bandwidth per GPU between nodes, one direction (bytes/s).
+        memory_bytes: HBM capacity in bytes; None when the table has only the peak.
+        nvlink_bytes_per_s: intra-node bandwidth per GPU, one direction (bytes/s), or None.
+        internode_bytes_per_s: network bandwidth per GPU between nodes, one direction (bytes/s), or None.
+        patterns: tokens matched case-insensitively as whole words in ``torch.cuda.get_device_name()``
+            ("A40" does not match "RTX A4000", nor "B200" match "GB200"); default: ``(name,)``.
+        memory_token: when set, the row only matches names that contain it (e.g. "40GB").
     """
 
     name: str
     peak_flops: float
-    memory_bytes: int
-    nvlink_bytes_per_s: float
-    internode_bytes_per_s: float
+    memory_bytes: int | None = None
+    nvlink_bytes_per_s: float | None = None
+    internode_bytes_per_s: float | None = None
+    patterns: tuple[str, ...] = ()
+    memory_token: str = ""
 
     @property
     def usable_bytes(self) -> int:
         """``memory_bytes`` less the :data:`HEADROOM` share: what a layout may plan on, bytes."""
         return usable(self.memory_bytes)
+
+    @property
+    def plannable(self) -> bool:
+        """Whether memory and both bandwidths are known (the planner needs them)."""
+        return None not in (self.memory_bytes, self.nvlink_bytes_per_s, self.internode_bytes_per_s)
+
+    def matches(self, device_name: str) -> bool:
+        """Whether ``device_name`` (as the driver reports it) is this GPU (see ``patterns``)."""
+        if self.memory_token and self.memory_token.upper() not in device_name.upper():
+            return False
+        return any(re.search(rf"(?<![a-z0-9]){re.escape(p)}(?![a-z0-9])", device_name, re.IGNORECASE)
+                   for p in self.patterns or (self.name,))
 
 
 def usable(memory_bytes: int) -> int:
@@ -49,13 +70,57 @@ def usable(memory_bytes: int) -> int:
     return int(memory_bytes * (1 - HEADROOM))
 
 
-GPUS: dict[str, GPU] = {
-    "A100-40GB": GPU("A100-40GB", 312e12, 40 * GIB, 300e9, 25e9),
-    "A100-80GB": GPU("A100-80GB", 312e12, 80 * GIB, 300e9, 25e9),
-    "H100-80GB": GPU("H100-80GB", 989e12, 80 * GIB, 450e9, 50e9),
-    "H200-141GB": GPU("H200-141GB", 989e12, 141 * GIB, 450e9, 50e9),
-    "B200-180GB": GPU("B200-180GB", 2250e12, 180 * GIB, 900e9, 50e9),
-}
+def _row(name: str, tflops: float, gib: int | None = None, nvlink_gbps: float | None = None,
+         internode_gbps: float | None = None, patterns: tuple[str, ...] = (), memory_token: str = "") -> GPU:
+    return GPU(name, tflops * 1e12, gib * GIB if gib else None, nvlink_gbps * 1e9 if nvlink_gbps else None,
+               internode_gbps * 1e9 if internode_gbps else None, patterns, memory_token)
+
+
+# In match order: the first row whose patterns occur in the device name wins, so a multi-word pattern
+# ("H100 NVL") comes before its prefix ("H100"). GPUs without bf16 (V100, T4) are deliberately absent:
+# MFU prints n/a there unless metrics.peak_tflops is set. AWS's A10G is listed at the A10's figure.
+GPU_TABLE: tuple[GPU, ...] = (
+    # NVIDIA Blackwell
+    _row("GB200", 2500.0),
+    _row("B200-180GB", 2250.0, 180, 900, 50, patterns=("B200",)),
+    _row("B100", 1750.0),
+    # NVIDIA Hopper (H100 SXM reports e.g. "NVIDIA H100 80GB HBM3")
+    _row("GH200", 989.0),
+    _row("H200 NVL", 835.0),
+    _row("H200-141GB", 989.0, 141, 450, 50, patterns=("H200",)),
+    _row("H100 NVL", 835.0),
+    _row("H100 PCIe", 756.0),
+    _row("H100-80GB", 989.0, 80, 450, 50, patterns=("H100",)),
+    _row("H800 PCIe", 756.0),
+    _row("H800", 989.0),
+    _row("H20", 148.0),
+    # NVIDIA Ampere / Ada
+    _row("A100-40GB", 312.0, 40, 300, 25, patterns=("A100",), memory_token="40GB"),
+    _row("A100-80GB", 312.0, 80, 300, 25, patterns=("A100",)),
+    _row("A800", 312.0),
+    _row("A30", 165.0),
+    _row("A40", 149.7),
+    _row("A10G", 125.0),
+    _row("A10", 125.0),
+    _row("L40S", 362.0),
+    _row("L40", 181.0),
+    _row("L4", 121.0),
+    # AMD Instinct (reported as e.g. "AMD Instinct MI300X")
+    _row("MI325X", 1307.4),
+    _row("MI300X", 1307.4),
+    _row("MI300A", 980.6),
+    _row("MI250X", 383.0),
+    _row("MI250", 362.1),
+)
+
+# The planner's rows by name (memory and links known).
+GPUS: dict[str, GPU] = {g.name: g for g in GPU_TABLE if g.plannable}
+
+
+def lookup_gpu(device_name: str, *, plannable: bool = False) -> GPU | None:
+    """The first table row that ``device_name`` matches (only rows with memory and links when
+    ``plannable``), or None."""
+    return next((g for g in GPU_TABLE if (g.plannable or not plannable) and g.matches(device_name)), None)
 
 
 class HardwareError(ValueError):
@@ -98,13 +163,6 @@ def get_gpu(name: str, *, peak_tflops: float = 0.0, hbm_gib: float = 0.0, nvlink
 
 
 def gpu_from_device_name(device_name: str) -> GPU | None:
-    """The table entry for a ``torch.cuda.get_device_name()`` string with its memory, e.g. "NVIDIA
-    H100 80GB HBM3" -> H100-80GB; None when no family matches."""
-    upper = device_name.upper()
-    for family in ("B200", "H200", "H100", "A100"):
-        if family in upper:
-            candidates = [g for k, g in GPUS.items() if k.startswith(family)]
-            if "40GB" in upper:
-                candidates = [g for g in candidates if "40GB" in g.name] or candidates
-            return candidates[-1]
-    return None
+    """The planner's row for a ``torch.cuda.get_device_name()`` string, with its memory, e.g. "NVIDIA
+    H100 80GB HBM3" -> H100-80GB; None when no such row matches."""
+    return lookup_gpu(device_name, plannable=True)

@@ -3,7 +3,7 @@
 Everything the formulas need is read here once: degrees (``ParallelDims``), the model arguments as
 trained, the batch geometry (sequences per microbatch, accumulation steps, pipeline microbatches),
 the pipeline split of every pp rank, AC mode and dtypes. Building one costs the torch-free
-pre-flight (engine/preflight.py), so the search (engine/planner/search.py) can try hundreds.
+pre-flight (engine/launch/preflight.py), so the search (engine/planner/search.py) can try hundreds.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ class Layout:
     Attributes:
         cfg: the ``JobConfig`` it came from; world_size: ranks.
         pp, dp_replicate, dp_shard, cp, tp, ep: degrees (dp_shard resolved).
-        model_args: the model's arguments as trained (vocabulary, ``max_seq_len = seq_len``).
+        model_args: the model's arguments as trained (vocabulary, ``max_seq_len = seq_len``);
+        model_spec: its family's ``ModelSpec`` (parameter shapes, FLOPs, width, routing).
         seq_len: tokens per sequence; local_batch_size: sequences per rank per accumulation step;
         grad_accum: accumulation steps A; global_batch_size: sequences per optimizer step.
         pp_plans: one ``PipelinePlan`` per pp rank (empty without pipeline parallel).
@@ -45,26 +46,34 @@ class Layout:
     global_batch_size: int
     pp_plans: tuple
     device_type: str = "cuda"
+    model_spec: object = None
+
+    @property
+    def params(self) -> list:
+        """Every parameter of the model (``ModelSpec.param_shapes``, engine/planner/params.py), computed
+        once per layout."""
+        if "_params" not in self.__dict__:
+            from engine.planner.params import model_params
+
+            self.__dict__["_params"] = model_params(self.model_spec, self.model_args)
+        return self.__dict__["_params"]
 
     @classmethod
-    def from_config(cls, cfg, world_size: int, device_type: str = "cuda") -> "Layout":
-        """Resolve ``cfg`` for ``world_size`` ranks.
+    def from_config(cls, cfg, world_size: int, device_type: str = "cuda", setup=None) -> "Layout":
+        """Resolve ``cfg`` for ``world_size`` ranks, from ``setup`` (the pre-flight's ``SetupPlan``
+        for this world size) when the caller has it, else by running the pre-flight.
 
         Raises:
             ValueError: what the launcher's pre-flight refuses (one line naming the setting).
         """
-        from engine.preflight import check_setup
-        from parallelisms.pipeline_plan import plan_model_pipeline
+        if setup is None:
+            from engine.launch.preflight import check_setup
 
-        setup = check_setup(cfg, world_size, device_type, check_data=False)
+            setup = check_setup(cfg, world_size, device_type, check_data=False)
         d, t = setup.parallel_dims, cfg.training
-        plans = ()
-        if d.pp > 1:
-            plans = tuple(plan_model_pipeline(cfg.parallelism, setup.model_args, local_batch_size=t.local_batch_size,
-                                              pp_rank=r) for r in range(d.pp))
         return cls(cfg, world_size, d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp, d.ep, setup.model_args,
-                   t.seq_len, t.local_batch_size, setup.grad_accum_steps, setup.global_batch_size, plans,
-                   device_type)
+                   t.seq_len, t.local_batch_size, setup.grad_accum_steps, setup.global_batch_size, setup.pp_plans,
+                   device_type, setup.model_spec)
 
     # ------------------------------------------------------------------ derived settings
     @property
@@ -95,7 +104,7 @@ class Layout:
 
     @property
     def comm_backend(self) -> str:
-        """The collective backend as engine/distributed.py ``resolve_backend`` picks it: ``comm.backend``,
+        """The collective backend as engine/train/distributed.py ``resolve_backend`` picks it: ``comm.backend``,
         or for "auto" NCCL on CUDA and gloo on the CPU."""
         setting = self.cfg.comm.backend
         if setting == "auto":

@@ -1,12 +1,11 @@
-"""Every parameter of a model with its placement under the model's parallelize plan, torch-free.
+"""Every parameter of a model with its placement on one rank, torch-free.
 
-The plan is models/llama/parallelize.py (Megatron-LM TP, arXiv 1909.08053: wq/wk/wv/w1/w3
-column-parallel = ``Shard(0)`` of the [out, in] weight, wo/w2 row-parallel = ``Shard(1)``; the
-vocab-parallel embedding and the output head ``Shard(0)``; norms replicated) and
-models/moe/parallelize.py (routed experts ``Shard(0)`` over the ``ep`` mesh and FSDP-sharded over the
-remaining ``dp_shard·cp/ep`` ranks on dim 0, or dim 1 when the local experts do not divide; router gate
-and, without ep, the experts replicated on tp; shared experts as the dense feed-forward). FSDP2 then
-shards the TP-local tensor's dim 0 over ``dp_shard × cp`` (parallelisms/data_parallel.py).
+The family lists its parameters and their tensor/expert-parallel placement (``ModelSpec.param_shapes``,
+e.g. models/llama/planning.py, as :class:`models.planning.ParamSpec`); this module shards them the
+way the parallelisms do. FSDP2 shards the TP-local tensor's dim 0 over ``dp_shard × cp``
+(parallelisms/data_parallel.py); routed experts (``ParamSpec.expert``) are ``Shard(0)`` over the
+``ep`` mesh and FSDP-sharded over the remaining ``dp_shard·cp/ep`` ranks on dim 0, or dim 1 when the
+local experts do not divide.
 
 Shards follow ``torch.chunk``: a dim of size n over k ranks gives chunks of ceil(n/k), the last ones
 shorter or empty (DTensor ``Shard`` and FSDP2 both split this way; FSDP2 pads each all-gather input to
@@ -18,24 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class ParamSpec:
-    """One parameter: ``name`` (as in ``named_parameters``), global ``shape``, ``layer`` (block index;
-    None for the embedding, final norm and output), ``tp_dim`` (dim sharded over tp; None when
-    replicated), ``expert`` (a routed-experts tensor [E, ...], sharded over ep when ep > 1),
-    ``norm`` (an RMSNorm weight: a replicated DTensor under sequence parallel)."""
-
-    name: str
-    shape: tuple[int, ...]
-    layer: int | None
-    tp_dim: int | None = None
-    expert: bool = False
-    norm: bool = False
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
+from models.planning import ParamSpec  # noqa: F401  (re-exported: the planner's parameter record)
 
 
 def chunk_size(n: int, k: int, index: int) -> int:
@@ -51,52 +33,14 @@ def padded_numel(shape: tuple[int, ...], dim: int, k: int) -> int:
     return math.prod(padded)
 
 
-def model_params(args) -> list[ParamSpec]:
-    """The parameters of a LLaMA (``LlamaModelArgs``) or MoE (``MoEModelArgs``) model in module order.
+def model_params(spec, args) -> list[ParamSpec]:
+    """The parameters of model family ``spec`` (a ``ModelSpec``) with ``args``, in module order
+    (``ModelSpec.param_shapes``).
 
-    Shapes are [out_features, in_features] for linear weights (nn.Linear), [vocab, dim] for the
-    embedding and the output head, [E, dim, hidden] / [E, hidden, dim] for routed experts
-    (models/moe/layers.py ``GroupedExperts``).
+    Raises:
+        ValueError: the family gives no ``param_shapes``.
     """
-    dim, head_dim = args.dim, args.head_dim
-    moe = hasattr(args, "num_experts")
-    params = [ParamSpec("tok_embeddings.weight", (args.vocab_size, dim), None, tp_dim=0)]
-    for layer in range(args.n_layers):
-        p = f"layers.{layer}."
-        params += [
-            ParamSpec(p + "attention.wq.weight", (args.n_heads * head_dim, dim), layer, tp_dim=0),
-            ParamSpec(p + "attention.wk.weight", (args.kv_heads * head_dim, dim), layer, tp_dim=0),
-            ParamSpec(p + "attention.wv.weight", (args.kv_heads * head_dim, dim), layer, tp_dim=0),
-            ParamSpec(p + "attention.wo.weight", (dim, args.n_heads * head_dim), layer, tp_dim=1),
-        ]
-        if moe and args.is_moe_layer(layer):
-            e, h = args.num_experts, args.moe_inter_dim
-            params += [
-                ParamSpec(p + "feed_forward.router.gate.weight", (e, dim), layer),
-                ParamSpec(p + "feed_forward.experts.w1", (e, dim, h), layer, expert=True),
-                ParamSpec(p + "feed_forward.experts.w2", (e, h, dim), layer, expert=True),
-                ParamSpec(p + "feed_forward.experts.w3", (e, dim, h), layer, expert=True),
-            ]
-            if args.n_shared_experts > 0:
-                hs = h * args.n_shared_experts
-                params += [
-                    ParamSpec(p + "feed_forward.shared_experts.w1.weight", (hs, dim), layer, tp_dim=0),
-                    ParamSpec(p + "feed_forward.shared_experts.w2.weight", (dim, hs), layer, tp_dim=1),
-                    ParamSpec(p + "feed_forward.shared_experts.w3.weight", (hs, dim), layer, tp_dim=0),
-                ]
-        else:
-            hidden = args.ffn_hidden_dim
-            params += [
-                ParamSpec(p + "feed_forward.w1.weight", (hidden, dim), layer, tp_dim=0),
-                ParamSpec(p + "feed_forward.w2.weight", (dim, hidden), layer, tp_dim=1),
-                ParamSpec(p + "feed_forward.w3.weight", (hidden, dim), layer, tp_dim=0),
-            ]
-        params += [ParamSpec(p + "attention_norm.weight", (dim,), layer, norm=True),
-                   ParamSpec(p + "ffn_norm.weight", (dim,), layer, norm=True)]
-    params.append(ParamSpec("norm.weight", (dim,), None, norm=True))
-    if not args.tie_embeddings:
-        params.append(ParamSpec("output.weight", (args.vocab_size, dim), None, tp_dim=0))
-    return params
+    return spec.get("param_shapes")(args)
 
 
 @dataclass(frozen=True)
@@ -120,12 +64,14 @@ class LocalParam:
     unit: str
 
 
-def stage_param_specs(args, layers: tuple[int, ...] | None, first: bool, last: bool) -> list[ParamSpec]:
-    """The parameters a pipeline stage holds: its layers, the embedding on the first stage, the final
-    norm and output head on the last (parallelisms/pipeline.py ``build_stage_module``)."""
+def stage_param_specs(params: list[ParamSpec], layers: tuple[int, ...] | None, first: bool,
+                      last: bool) -> list[ParamSpec]:
+    """The parameters (of :func:`model_params`) a pipeline stage holds: its layers, the embedding on the
+    first stage, the final norm and output head on the last (parallelisms/pipeline.py
+    ``build_stage_module``)."""
     keep = None if layers is None else set(layers)
     out = []
-    for spec in model_params(args):
+    for spec in params:
         if spec.layer is not None:
             if keep is None or spec.layer in keep:
                 out.append(spec)
@@ -172,4 +118,13 @@ def local_params(specs: list[ParamSpec], layout, coords: dict | None = None) -> 
         if fsdp > 1:
             shape[0] = chunk_size(shape[0], fsdp, shard_rank)
         out.append(LocalParam(spec, tp_local, 0, fsdp if fsdp > 1 else 1, math.prod(shape), unit))
+    return out
+
+
+def rank_params(layout, coords: dict | None = None):
+    """The :class:`LocalParam` list of the rank at ``coords`` (all its stages)."""
+    coords = coords or {}
+    out = []
+    for layers, first, last in layout.stages_of(coords.get("pp", 0)):
+        out += local_params(stage_param_specs(layout.params, layers, first, last), layout, coords)
     return out

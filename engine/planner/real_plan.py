@@ -108,16 +108,17 @@ def rank_of(coords: dict, dims) -> int:
     return rank
 
 
-def build_real_plan(cfg, world_size: int, rank: int = 0, *, device_type: str = "cuda") -> RealPlan:
+def build_real_plan(cfg, world_size: int, rank: int = 0, *, device_type: str = "cuda", setup=None) -> RealPlan:
     """Build rank ``rank``'s parallelized model parts on the meta device under a fake process group.
 
-    Runs every check the ranks run at start-up (engine/preflight.py ``check_setup`` without the data
-    files), then the trainer's own build path minus allocation: mesh → pipeline plan → meta model →
-    stages → the model's parallelize function.
+    Runs every check the ranks run at start-up (engine/launch/preflight.py ``check_setup`` without the data
+    files) unless ``setup`` (its ``SetupPlan`` for ``world_size``) is given, then the trainer's own
+    build recipe (engine/train/model_builder.py ``build_model_parts``) minus allocation.
 
     Args:
         cfg: a validated ``JobConfig``; world_size: ranks of the run; rank: which one to build.
         device_type: the device the run will use ("cuda" for GPUs); only device-dependent rules read it.
+        setup: the pre-flight's ``SetupPlan`` when the caller has it (resolved once per process).
 
     Returns:
         a :class:`RealPlan` (its meta modules stay usable after the fake group is destroyed).
@@ -125,40 +126,26 @@ def build_real_plan(cfg, world_size: int, rank: int = 0, *, device_type: str = "
     Raises:
         ValueError (and subclasses): what a rank would refuse at start-up, one line each.
     """
+    import copy
+
     import torch
 
-    from engine.model_builder import build_meta_model
-    from engine.preflight import check_setup
-    from models.registry import load_ref
-    from parallelisms.context_parallel import ContextParallel
-    from parallelisms.pipeline import build_stage_module
-    from parallelisms.pipeline_plan import plan_model_pipeline
+    from engine.train.model_builder import build_context_parallel, build_model_parts
 
-    setup = check_setup(cfg, world_size, device_type, check_data=False)
-    dims = setup.parallel_dims
-    p, t = cfg.parallelism, cfg.training
+    if setup is None:
+        from engine.launch.preflight import check_setup
+
+        setup = check_setup(cfg, world_size, device_type, check_data=False)
+    dims = copy.copy(setup.parallel_dims)  # the mesh built here belongs to this fake group only
     with fake_process_group(world_size, rank), torch.device("meta"):
         dims.build_mesh("cpu")
         world = dims.mesh("world")
         coords = dict(zip(world.mesh_dim_names, world.get_coordinate()))
-        cp = ContextParallel(dims.mesh("cp"), t.seq_len, p.cp_load_balance) if dims.cp_enabled else None
-        pp_plan = None
-        if dims.pp_enabled:
-            pp_plan = plan_model_pipeline(p, setup.model_args, local_batch_size=t.local_batch_size,
-                                          pp_rank=coords["pp"])
-        model = build_meta_model(setup.model_spec, setup.model_args)
-        if pp_plan is None:
-            parts = [model]
-        else:
-            last = pp_plan.num_stages - 1
-            parts = [build_stage_module(model, pp_plan.stage_layers[s], s == 0, s == last) for s in pp_plan.local_stages]
-            del model
-        parallelize = load_ref(setup.model_spec.parallelize_fn)
-        for part in parts:
-            parallelize(part, dims, parallelism_cfg=p, ac_cfg=cfg.activation_checkpoint, compile_cfg=cfg.compile,
-                        param_dtype=t.mixed_precision_param, reduce_dtype=t.mixed_precision_reduce,
-                        context_parallel=cp, global_batch_size=setup.global_batch_size,
-                        backend="nccl" if device_type == "cuda" else "gloo")
+        pp_plan = setup.pipeline_plan(coords["pp"])
+        parts, _, _ = build_model_parts(cfg, setup.model_spec, setup.model_args, parallel_dims=dims, pp_plan=pp_plan,
+                                        context_parallel=build_context_parallel(cfg, dims),
+                                        global_batch_size=setup.global_batch_size,
+                                        backend="nccl" if device_type == "cuda" else "gloo")
         params = [param for part in parts for param in part.parameters()]
         state = state_bytes_of_params(params)
         unsharded = sum(param.numel() for param in params)

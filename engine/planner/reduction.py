@@ -57,8 +57,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engine.planner.memory import block_activation_bytes, rank_params
-from engine.planner.params import padded_numel
+from engine.planner.activations import block_activation_bytes
+from engine.planner.params import padded_numel, rank_params
 
 MASTER_BYTES = 4  # the sharded master weights (and so their gradients) are fp32
 

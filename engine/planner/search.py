@@ -5,7 +5,7 @@ of the world size (one 1F1B stage per rank, one sequence per pipeline microbatch
 cp ∈ {1, 2, 4} for sequences of at least 4096·cp tokens, FSDP or HSDP (dp_replicate = nodes) or
 pure DDP, ep over the valid expert-parallel degrees for MoE models, AC none / selective "op" / full,
 and for each the largest local batch (fewest accumulation steps) that fits. Every candidate passes
-the launcher's own pre-flight (engine/preflight.py) or is dropped.
+the launcher's own pre-flight (engine/launch/preflight.py) or is dropped.
 
 Decision matrix (the order a practitioner tries, from least to most communication):
 1. the full training state and activations fit one GPU            → DDP (dp_replicate = world)
@@ -76,9 +76,19 @@ def _best_batch(cfg, world_size, gpu, gpus_per_node, efficiency, dp: int, pp: in
     return smallest
 
 
+def _routes_experts(cfg) -> bool:
+    """Whether ``[model]`` is a family that routes tokens to experts (its spec gives
+    ``expert_routing``): then ep degrees are candidates too."""
+    import models  # noqa: F401  (registers the built-in families; torch-free)
+    from models.registry import get_model_spec
+
+    return get_model_spec(cfg.model.name).expert_routing is not None
+
+
 def candidates(cfg, world_size: int, gpu, gpus_per_node: int, efficiency: float) -> list[LayoutEstimate]:
     """Every candidate layout's estimate (see the module docstring), unranked."""
     out = []
+    routed = _routes_experts(cfg)
     nodes = max(world_size // gpus_per_node, 1)
     seq_len = cfg.training.seq_len
     for tp in (1, 2, 4, 8):
@@ -100,7 +110,7 @@ def candidates(cfg, world_size: int, gpu, gpus_per_node: int, efficiency: float)
                     shapes.append((world_size, 1))  # pure DDP
                 for dp_replicate, dp_shard in shapes:
                     eps = [1]
-                    if cfg.model.name == "moe":
+                    if routed:
                         eps = [e for e in _divisors(dp_shard * cp) if e % cp == 0 and e > 1][:4] or [1]
                     for ep in eps:
                         for ac, option in (("none", "op"), ("selective", "op"), ("full", "op")):

@@ -14,6 +14,10 @@ register_model_spec(
         flavors=llama3_flavors,
         parallelize_fn="models.llama.parallelize:parallelize_llama",
         validate_parallelism_fn=validate_llama_parallelism,
+        hf_adapter="models.llama.hf:LLAMA_HF_ADAPTER",
+        param_shapes="models.llama.planning:llama_param_shapes",
+        flops_per_token="models.llama.planning:llama_flops_per_token",
+        ffn_width="models.llama.planning:llama_ffn_width",
     )
 )
 

@@ -48,6 +48,7 @@ def parallelize_llama(
     context_parallel: ContextParallel | None = None,
     global_batch_size: int = 0,
     backend: str | None = None,
+    shard_inner_units=None,
 ) -> nn.Module:
     """Apply the configured parallelisms to ``model`` (a full model or one pipeline stage) in place.
 
@@ -61,6 +62,10 @@ def parallelize_llama(
         context_parallel: the run's cp layout when ``cp > 1`` (its positions bind the attention).
         global_batch_size: sequences per optimizer step (unused by the dense model; see the MoE plan).
         backend: process-group backend ("gloo", "nccl") or None for one process.
+        shard_inner_units: None, or ``model -> None`` run in the FSDP step, after CP, AC and compile
+            and just before the blocks are sharded: a family's own FSDP units inside the blocks
+            (the MoE plan shards its experts on their own mesh there), which the blocks' units
+            then skip.
 
     Returns:
         The same module, parallelized.
@@ -78,13 +83,15 @@ def parallelize_llama(
             wait_async_output(model.tok_embeddings)  # its output is the first compiled block's input
     if parallel_dims.cp_enabled:
         # Attention over the whole cp-split sequence; inputs, labels and RoPE rows are sharded per
-        # step by the runner (engine/runner.py) with the same ContextParallel.
+        # step by the runner (engine/train/runner.py) with the same ContextParallel.
         apply_cp(model, context_parallel, rotate_method=parallelism_cfg.cp_rotate_method)
     apply_activation_checkpointing(model, ac_cfg.mode, ac_cfg.selective_ac_option)
     if compile_cfg.enable:
         apply_compile(model, backend=compile_cfg.backend)
 
     if parallel_dims.fsdp_enabled:
+        if shard_inner_units is not None:
+            shard_inner_units(model)
         # HSDP: shard within dp_shard, replicate across dp_replicate.
         mesh_name = "hsdp" if parallel_dims.dp_replicate_enabled else "dp_shard_cp"
         apply_fsdp(

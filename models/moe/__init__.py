@@ -14,6 +14,11 @@ register_model_spec(
         flavors=moe_flavors,
         parallelize_fn="models.moe.parallelize:parallelize_moe",
         validate_parallelism_fn=validate_moe_parallelism,
+        hf_adapter="models.moe.hf:MIXTRAL_HF_ADAPTER",
+        param_shapes="models.moe.planning:moe_param_shapes",
+        flops_per_token="models.moe.planning:moe_flops_per_token",
+        ffn_width="models.moe.planning:moe_ffn_width",
+        expert_routing="models.moe.planning:moe_routing",
     )
 )
 

@@ -2,8 +2,9 @@
 
 Order: TP → EP → CP → activation checkpointing → compile → FSDP/HSDP. An MoE
 model is a LLaMA model whose MoE blocks differ only in the feed-forward, so after the MoE-specific
-steps below this calls :func:`models.llama.parallelize.parallelize_llama`, which applies TP, CP,
-activation checkpointing, compile and FSDP to everything else:
+steps 0-1 below this calls :func:`models.llama.parallelize.parallelize_llama`, which applies TP, CP,
+activation checkpointing, compile and FSDP to everything else, and runs step 2 in its FSDP step
+(``shard_inner_units``), after CP, AC and compile, just before the blocks are sharded:
 
 0. tensor parallel (``tp > 1``): LLaMA's plan shards attention, embeddings, output and the dense
    layers and leaves MoE feed-forwards alone; each MoE layer then runs on the whole (all-gathered)
@@ -84,12 +85,15 @@ def parallelize_moe(
         ep_mesh = parallel_dims.mesh("ep")
         for moe in model.moe_layers():
             parallelize_module(moe.experts, ep_mesh, ExpertParallel())
-        if parallel_dims.fsdp_enabled:  # always true with ep > 1: ep divides dp_shard × cp
-            _shard_experts(model, parallel_dims, parallelism_cfg, param_dtype, reduce_dtype, backend or "gloo")
+
+    def shard_experts(part: nn.Module) -> None:  # FSDP is always on with ep > 1: ep divides dp_shard × cp
+        if parallel_dims.ep_enabled:
+            _shard_experts(part, parallel_dims, parallelism_cfg, param_dtype, reduce_dtype, backend or "gloo")
+
     return parallelize_llama(
         model, parallel_dims, parallelism_cfg=parallelism_cfg, ac_cfg=ac_cfg, compile_cfg=compile_cfg,
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, context_parallel=context_parallel,
-        global_batch_size=global_batch_size, backend=backend,
+        global_batch_size=global_batch_size, backend=backend, shard_inner_units=shard_experts,
     )
 
 

@@ -27,7 +27,7 @@ def engine_args(folder: str, overrides: dict, *, seq_len: int, local_batch_size:
 
 def build_trainer(argv: list[str]):
     from engine.config import load_config
-    from engine.trainer import Trainer
+    from engine.train.trainer import Trainer
 
     cfg = load_config(argv)
     cfg.validate()
@@ -102,7 +102,7 @@ def engine_vs_bare_loop(argv: list[str], rounds: int, steps: int, warmup: int) -
     import torch
     import torch.nn.functional as F
 
-    from engine.model_builder import build_meta_model, materialize
+    from engine.train.model_builder import build_meta_model, materialize
     from parallelisms.grad_norm import clip_grad_norm_
 
     trainer = build_trainer(argv)

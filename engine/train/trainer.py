@@ -6,43 +6,40 @@ back-propagates its share ``loss_sum_local / global_tokens`` and data parallel *
 the gradient equals the single-process gradient of the same global batch, independent of the number
 of ranks and of gradient accumulation (the data-parallel mean of per-rank gradients, Li et al. 2020,
 arXiv 2006.15704, weighted by each rank's tokens). Everything that depends on the parallel layout
-per step lives in engine/runner.py; see engine/docs/architecture.md for the whole data flow.
+per step lives in engine/train/runner.py; see engine/docs/architecture.md for the whole data flow.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import gc
 import logging
 import math
 import os
+import re
 import time
 
 import torch
 import torch.distributed as dist
 
-from engine.attribution import CommTimer, comm_seconds_by_dim, step_attribution
+from engine.observe.attribution import StepTimer, step_attribution
 from engine.checkpoint import CheckpointManager
 from engine.checkpoint import files as checkpoint_files
 from engine.config import JobConfig, config_to_toml
+from engine.config.fingerprint import run_fingerprint
 from engine.data import build_dataloader, build_validation_dataloader
-from engine.data.tokenizer import Tokenizer
-from engine.distributed import init_distributed, is_peer_failure
-from engine.loss import IGNORE_INDEX
-from engine.lr_scheduler import build_lr_scheduler
-from engine.metrics import MetricsLogger
-from engine.model_builder import build_model_parts
-from engine.optimizer import build_optimizer
-from engine.preflight import check_setup
-from engine.profiling import StepProfiler
-from engine.runner import PipelineRunner, SingleRunner, StepContext
-from engine.signals import StopRequest
-from models.registry import load_ref
-from parallelisms.context_parallel import ContextParallel
+from engine.train.distributed import init_distributed, is_peer_failure
+from engine.train.loss import IGNORE_INDEX
+from engine.train.lr_scheduler import build_lr_scheduler
+from engine.observe.metrics import MetricsLogger
+from engine.train.model_builder import build_context_parallel, build_model_parts
+from engine.train.optimizer import build_optimizer
+from engine.launch.preflight import check_setup
+from engine.observe.profiling import StepProfiler
+from engine.train.runner import PipelineRunner, SingleRunner, StepContext
+from engine.train.signals import StopRequest
 from parallelisms.comm_counter import group_names_by_mesh_dim
 from parallelisms.grad_norm import clip_grad_norm_
-from parallelisms.pipeline_plan import plan_model_pipeline
 
 logger = logging.getLogger("quadra")
 
@@ -62,14 +59,14 @@ class Trainer:
     """Builds everything from a validated :class:`JobConfig`, then trains ``training.steps`` steps.
 
     Attributes used by callers and tests: ``step`` (completed optimizer steps), ``model_parts``
-    (list of modules; one without pipeline parallel), ``runner`` (engine/runner.py), ``history``
+    (list of modules; one without pipeline parallel), ``runner`` (engine/train/runner.py), ``history``
     (the last ``HISTORY_STEPS`` per-step records), ``parallel_dims``, ``dist``, ``tokens_seen``
     (label tokens of all completed steps), ``checkpointer``, ``stopped_by`` (the signal name when
     a stop signal ended ``train`` early) and ``stop_saved`` (whether that stop saved a checkpoint).
 
     Raises (from ``__init__``, on every rank, before the model is allocated):
         ValueError and subclasses: bad degrees, tokenizer/model mismatch, seq_len too long,
-        missing or empty dataset, batch sizes that do not divide (engine/preflight.py).
+        missing or empty dataset, batch sizes that do not divide (engine/launch/preflight.py).
     """
 
     def __init__(self, cfg: JobConfig):
@@ -82,13 +79,15 @@ class Trainer:
         self.parallel_dims, self.model_spec, self.model_args = setup.parallel_dims, setup.model_spec, setup.model_args
         self.global_batch_size = setup.global_batch_size
         self.model_record, self.model_label = setup.model_record, setup.model_label
+        self.setup = setup
         if self.dist.is_distributed:
             self.parallel_dims.build_mesh(self.device.type)
         self._group_dims = group_names_by_mesh_dim(self.parallel_dims)  # for time attribution
         self.dp_rank = self.parallel_dims.mesh("dp").get_local_rank() if self.dist.is_distributed else 0
-        self.context_parallel = self._build_context_parallel()
-        self.pp_plan = self._plan_pipeline()
-        self.tokenizer = Tokenizer(cfg.model.tokenizer_path)
+        self.context_parallel = build_context_parallel(cfg, self.parallel_dims)
+        pp_rank = self.parallel_dims.mesh("pp").get_local_rank() if self.parallel_dims.pp_enabled else 0
+        self.pp_plan = setup.pipeline_plan(pp_rank)  # this rank's stages (None without pipeline parallel)
+        self.tokenizer = setup.tokenizer  # loaded once per process, by check_setup
         self.dataloader = self._build_dataloader()
         self.grad_accum_steps = self.dataloader.grad_accum_steps
         # Built now so that a bad validation.path fails before training.
@@ -100,6 +99,8 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY_STEPS)
+        # What this run trains (engine/config/fingerprint.py), in metrics.jsonl and every checkpoint.
+        self.fingerprint = run_fingerprint(config_to_toml(cfg), self.global_batch_size)
         if self.dist.rank == 0:
             self._write_run_config()
         self.metrics = self._build_metrics()
@@ -109,21 +110,11 @@ class Trainer:
         self.stop_saved = False
         self.checkpointer = self._build_checkpointer()
         self.checkpointer.load()  # continue where an earlier run of this folder stopped, if it saved
+        self.metrics.run_info = {"fingerprint": self.fingerprint}
+        if self.checkpointer.fingerprint_change:
+            self.metrics.run_info["fingerprint_change"] = self.checkpointer.fingerprint_change
 
     # ------------------------------------------------------------------ building
-    def _build_context_parallel(self) -> ContextParallel | None:
-        if not self.parallel_dims.cp_enabled:
-            return None
-        return ContextParallel(self.parallel_dims.mesh("cp"), self.cfg.training.seq_len,
-                               self.cfg.parallelism.cp_load_balance)
-
-    def _plan_pipeline(self):
-        """This rank's stages (None without pipeline parallel); the rules ran in check_setup."""
-        if not self.parallel_dims.pp_enabled:
-            return None
-        return plan_model_pipeline(self.cfg.parallelism, self.model_args, local_batch_size=self.cfg.training.local_batch_size,
-                                   pp_rank=self.parallel_dims.mesh("pp").get_local_rank())
-
     def _build_dataloader(self):
         t = self.cfg.training
         return build_dataloader(self.cfg.data, self.tokenizer, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
@@ -139,20 +130,14 @@ class Trainer:
                                            dp_rank=self.dp_rank, dp_degree=self.parallel_dims.dp)
 
     def _build_model(self) -> list[torch.nn.Module]:
-        cfg, t = self.cfg, self.cfg.training
+        t = self.cfg.training
         torch.manual_seed(t.seed)
         if t.deterministic:
             torch.use_deterministic_algorithms(True)
-        parallelize_fn = load_ref(self.model_spec.parallelize_fn)
         parts, self.nparams, self.flops_per_token = build_model_parts(
-            self.model_spec, self.model_args, plan=self.pp_plan, device=self.device, seed=t.seed,
-            parallelize=lambda part: parallelize_fn(
-                part, self.parallel_dims, parallelism_cfg=cfg.parallelism, ac_cfg=cfg.activation_checkpoint,
-                compile_cfg=cfg.compile, param_dtype=t.mixed_precision_param, reduce_dtype=t.mixed_precision_reduce,
-                context_parallel=self.context_parallel, global_batch_size=self.global_batch_size,
-                backend=self.dist.backend,
-            ),
-        )
+            self.cfg, self.model_spec, self.model_args, parallel_dims=self.parallel_dims, pp_plan=self.pp_plan,
+            context_parallel=self.context_parallel, global_batch_size=self.global_batch_size,
+            backend=self.dist.backend, device=self.device)
         return parts
 
     def _build_runner(self):
@@ -173,7 +158,7 @@ class Trainer:
             self.cfg.checkpoint, run_folder=self.run_folder, model_parts=self.model_parts,
             optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
             trainer=self, dist_info=self.dist, parallel_dims=self.parallel_dims,
-            config_toml=config_to_toml(self.cfg), model_record=self.model_record,
+            config_toml=config_to_toml(self.cfg), model_record=self.model_record, fingerprint=self.fingerprint,
         )
 
     def _write_run_config(self) -> None:
@@ -183,9 +168,9 @@ class Trainer:
             f.write(config_to_toml(self.cfg))
         if self.cfg.job.print_config:
             logger.info("config:\n%s", config_to_toml(self.cfg))
-        logger.info("model %s: %s parameters, %.3g training FLOPs per token; world_size %d %s",
+        logger.info("model %s: %s parameters, %.3g training FLOPs per token; world_size %d %s; fingerprint %s",
                     self.model_label, f"{self.nparams:,}", self.flops_per_token,
-                    self.dist.world_size, self.parallel_dims)
+                    self.dist.world_size, self.parallel_dims, self.fingerprint)
 
     def _build_metrics(self) -> MetricsLogger:
         dims = self.parallel_dims
@@ -204,35 +189,23 @@ class Trainer:
         return value
 
     def _measures_time(self) -> bool:
-        """Whether the coming step is attributed (engine/attribution.py): a logged step, with
+        """Whether the coming step is attributed (engine/observe/attribution.py): a logged step, with
         ``metrics.time_attribution`` on and no compiled code (dispatch modes do not mix with it)."""
         return (self.cfg.metrics.time_attribution and not self.cfg.compile.enable
                 and self.metrics.should_log(self.step + 1))
 
-    def _phase_clock(self) -> float:
-        """perf_counter after the device finished its queued work (CUDA kernels run asynchronously)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
     def train_step(self) -> dict:
         """One optimizer step over ``grad_accum_steps`` microbatches; returns loss, grad_norm and timings
-        (on attributed steps also ``phases``, the input of ``engine.attribution.step_attribution``)."""
-        measure = self._measures_time()
-        clock = self._phase_clock if measure else time.perf_counter
-        timers = [CommTimer(), CommTimer()] if measure and self.dist.is_distributed else None
-        data_start = clock()
-        microbatches = [self.runner.context.shard(*self.dataloader.next_batch()) for _ in range(self.grad_accum_steps)]
-        data_seconds = clock() - data_start
+        (on attributed steps also ``phases``, the input of ``engine.observe.attribution.step_attribution``)."""
+        timer = StepTimer(measure=self._measures_time(), device=self.device, distributed=self.dist.is_distributed,
+                          group_dims=self._group_dims)
+        with timer.phase("data"):
+            microbatches = [self.runner.context.shard(*self.dataloader.next_batch()) for _ in range(self.grad_accum_steps)]
         local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches)
         global_tokens = self._dp_sum(torch.tensor(float(local_tokens), device=self.device))
-
-        compute_start = clock()
-        with timers[0] if timers else contextlib.nullcontext():
+        with timer.phase("forward_backward"):
             loss = self.runner.step(microbatches, global_tokens)
-            compute_seconds = clock() - compute_start
-        optimizer_start = clock()
-        with timers[1] if timers else contextlib.nullcontext():
+        with timer.phase("optimizer"):
             params = [p for part in self.model_parts for p in part.parameters()]
             grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_group=self.runner.pp_group)
             lr = self.lr_scheduler.get_last_lr()[0]
@@ -240,7 +213,6 @@ class Trainer:
             model_metrics = self.runner.post_optimizer_step()
             self.lr_scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-            optimizer_seconds = clock() - optimizer_start
         self.step += 1
 
         loss = self.runner.sum_over_stages(self._dp_sum(loss)).item()
@@ -252,18 +224,13 @@ class Trainer:
                 f"optimizer.lr or raise lr_scheduler.warmup_steps{clip}."
             )
         record = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": local_tokens,
-                  "global_tokens": int(global_tokens.item()), "data_seconds": data_seconds,
+                  "global_tokens": int(global_tokens.item()), "data_seconds": timer.seconds["data"],
                   "epoch": self.dataloader.epoch, "model_metrics": model_metrics}
+        compute_seconds = timer.seconds["forward_backward"]
         if isinstance(self.runner, PipelineRunner):
             record["pp_bubble_fraction"] = self.runner.bubble_fraction(compute_seconds)
-        if measure:
-            groups = self._group_dims
-            record["phases"] = {
-                "data_s": data_seconds, "forward_backward_s": compute_seconds, "optimizer_s": optimizer_seconds,
-                "comm_forward_backward": comm_seconds_by_dim(timers[0].seconds, groups) if timers else {},
-                "comm_optimizer": comm_seconds_by_dim(timers[1].seconds, groups) if timers else {},
-                "idle_s": record.get("pp_bubble_fraction", 0.0) * compute_seconds,
-            }
+        if timer.measure:
+            record["phases"] = timer.phases(idle_s=record.get("pp_bubble_fraction", 0.0) * compute_seconds)
         return record
 
     # ------------------------------------------------------------------ evaluation
@@ -322,10 +289,11 @@ class Trainer:
                 # The step is done: save it before anything that can fail after it (reports,
                 # validation, trace files), so that a failure there never loses it.
                 final = self.step == self.cfg.training.steps
-                self.checkpointer.maybe_save(self.step, final=final)
-                if final:
-                    self.checkpointer.wait()  # the last step is complete on disk before validation
                 try:
+                    self._after_step_phase = "checkpoint save"
+                    self.checkpointer.maybe_save(self.step, final=final)
+                    if final:
+                        self.checkpointer.wait()  # the last step is complete on disk before validation
                     self._after_step(record, last)
                 except Exception as error:
                     if is_peer_failure(error):
@@ -366,7 +334,11 @@ class Trainer:
     def _after_step_message(self, error: BaseException) -> str:
         """One line for a failure after step ``self.step`` was trained: what failed, and what is safe."""
         phase = getattr(self, "_after_step_phase", "reporting")
-        reason = (str(error).strip().splitlines() or [""])[0][:300] or "(no message)"
+        lines = str(error).strip().splitlines()
+        # DCP's CheckpointException opens with "ranks:..." and quotes each rank's traceback: name the
+        # innermost error instead (e.g. "PermissionError: [Errno 13] ... step-2.tmp").
+        causes = [line.strip() for line in lines if re.match(r"\s*\w+(Error|Exception): ", line)]
+        reason = (causes[-1] if causes and len(lines) > 1 else (lines or [""])[0])[:300] or "(no message)"
         saved = checkpoint_files.scan(self.checkpointer.folder).latest if self.cfg.checkpoint.enable else None
         if saved is None:
             kept = "no checkpoint holds it (checkpoint.enable = false)" if not self.cfg.checkpoint.enable \
@@ -375,7 +347,8 @@ class Trainer:
             kept = f"checkpoint step-{saved} is complete; the same command resumes from it"
         fix = {"validation": "set validation.enable = false to train on without it",
                "profiler": "set profiling.enable = false",
-               "metrics": "check the run folder's disk space and permissions"}.get(phase, "")
+               "metrics": "check the run folder's disk space and permissions",
+               "checkpoint save": "check the checkpoint folder's disk space and permissions"}.get(phase, "")
         return (f"{phase} after step {self.step} failed ({type(error).__name__}: {reason}); {kept}"
                 f"{'; ' + fix if fix else ''}; QUADRA_TRACEBACK=1 shows the traceback")
 

@@ -11,7 +11,7 @@ set) later ones are ignored here, because the launcher counts Ctrl-C presses and
 itself on the second; a rank started otherwise (plain torchrun, one process) raises
 ``KeyboardInterrupt`` on the second SIGINT.
 
-The handlers are installed by :func:`install` as early as possible (engine/train.py does it before
+The handlers are installed by :func:`install` as early as possible (engine/train/main.py does it before
 set-up), so a signal during set-up is not lost: training then stops before its first step.
 """
 

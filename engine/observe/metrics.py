@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from engine.flops import compute_mfu, compute_tflops, get_peak_flops
+from engine.observe.flops import compute_mfu, compute_tflops, get_peak_flops
 
 logger = logging.getLogger("quadra")
 
@@ -164,7 +164,7 @@ class MetricsLogger:
 
     Args:
         cfg: the ``[metrics]`` section; reads ``log_freq`` (steps, > 0), ``enable_tensorboard``,
-            ``save_tb_folder`` and ``peak_tflops`` (0: table lookup, see ``engine.flops``).
+            ``save_tb_folder`` and ``peak_tflops`` (0: table lookup, see ``engine.observe.flops``).
         run_folder: the run's dump folder; receives ``metrics.jsonl`` and ``<save_tb_folder>/``.
         rank: global rank (kept for messages).
         is_logging_rank: only this rank prints, writes TensorBoard and metrics.jsonl.
@@ -178,7 +178,8 @@ class MetricsLogger:
     steps N and later that an earlier launch of the folder left (it stopped after its last
     checkpoint, or the folder held another run) are dropped from metrics.jsonl, with a warning, and
     purged from TensorBoard (``SummaryWriter(purge_step=N)``, torch.utils.tensorboard docs): each
-    step appears once. A launch that logs nothing changes nothing.
+    step appears once. A launch that logs nothing changes nothing. Each launch's records start with
+    a ``"run"`` record of :attr:`run_info` (the config fingerprint, engine/config/fingerprint.py).
 
     Raises:
         ValueError: ``metrics.log_freq`` <= 0, ``devices_per_dp_rank`` < 1,
@@ -214,6 +215,9 @@ class MetricsLogger:
         self._jsonl = None
         self._tb = None
         self._closed = False
+        # What identifies this launch (e.g. {"fingerprint": ..., "fingerprint_change": ...}): set by
+        # the trainer; written as one "run" record before the launch's first step record.
+        self.run_info: dict[str, Any] = {}
         self._run_folder = run_folder
         if is_logging_rank:
             os.makedirs(run_folder, exist_ok=True)
@@ -272,7 +276,7 @@ class MetricsLogger:
             metrics: scalars from the trainer, typically ``loss`` (global mean per token),
                 ``grad_norm`` and ``lr``; floats, ints, scalar tensors or None (printed "n/a").
             files_only: more scalars for metrics.jsonl and TensorBoard, not printed (e.g. the
-                ``time_*_s`` attribution of engine/attribution.py).
+                ``time_*_s`` attribution of engine/observe/attribution.py).
 
         Returns:
             The full record (also on non-logging ranks): ``step``, the trainer's metrics and
@@ -328,6 +332,8 @@ class MetricsLogger:
             logger.warning("metrics.jsonl: dropped %d records of steps %d-%d that an earlier launch logged; "
                            "this launch trains them again", len(dropped), min(dropped), max(dropped))
         self._jsonl = open(path, "a", encoding="utf-8")
+        if self.run_info:  # this launch's identity, first in its records (a "run" line)
+            self._jsonl.write(json.dumps(_json_safe({"kind": "run", "step": step, **self.run_info})) + "\n")
         if self.cfg.enable_tensorboard:
             # Imported lazily: tensorboard is slow to import and only the logging rank needs it.
             from torch.utils.tensorboard import SummaryWriter
@@ -346,7 +352,7 @@ class MetricsLogger:
         self._jsonl.flush()
         if self._tb is not None:
             for key, value in record.items():
-                if key != "step" and value is not None:
+                if key != "step" and isinstance(value, (int, float)):
                     self._tb.add_scalar(f"{kind}/{key}", value, step)
             self._tb.flush()
 
@@ -372,12 +378,14 @@ class MetricsLogger:
     def close(self) -> None:
         """Flush and close metrics.jsonl and the TensorBoard writer (safe to call twice)."""
         self._closed = True
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        jsonl, tb, self._jsonl, self._tb = self._jsonl, self._tb, None, None
+        try:
+            if jsonl is not None:
+                jsonl.close()
+            if tb is not None:
+                tb.close()
+        except OSError as error:  # e.g. the write that failed the run fails again at the flush
+            logger.warning("metrics files could not be closed: %s", error)
 
     def __enter__(self) -> "MetricsLogger":
         return self

@@ -5,14 +5,14 @@ which still starts, watches and stops the ranks):
 
 1. **Pre-flight.** The config is loaded and checked once, before any rank starts: first the config
    alone (no torch import), then every rule that the world size ``NGPU × NNODES`` decides
-   (:func:`engine.preflight.check_setup`). A problem prints one line and exits 2.
+   (:func:`engine.launch.preflight.check_setup`). A problem prints one line and exits 2.
 2. **One line per failure.** When ranks fail, each writes its one-line reason to a file in
-   ``QUADRA_ERROR_DIR`` (see engine/train.py) instead of the terminal; this process prints each
+   ``QUADRA_ERROR_DIR`` (see engine/train/main.py) instead of the terminal; this process prints each
    distinct reason once, with the ranks that gave it, and exits with their status (2 for set-up
    errors), without torchrun's traceback. ``QUADRA_TRACEBACK=1`` shows everything instead.
 3. **Signals, however delivered.** SIGTERM and SIGUSR1 (scancel, ``--signal=USR1@120``, ``kill``,
    ``kill -- -<pgid>``, a container stop) to this process are forwarded to the ranks, which finish
-   the current step, save a checkpoint together and exit 0 (engine/signals.py); torchrun is not
+   the current step, save a checkpoint together and exit 0 (engine/train/signals.py); torchrun is not
    allowed to turn them into a job failure. The first SIGINT (Ctrl-C) does the same; a second one
    kills the ranks at once (SIGKILL) and exits 130: the newest complete checkpoint stays, since a
    save only becomes visible when it is complete (engine/checkpoint/files.py).
@@ -177,7 +177,8 @@ def _summarize_failure(error, error_dir: str, signals: _Signals) -> int:
             grouped.setdefault(text, []).append(rank)
         for text, ranks in grouped.items():
             _say(text if len(grouped) == 1 else f"[rank{','.join(map(str, ranks))}] {text}")
-        statuses = [codes.get(rank, 1) for rank in own]
+        # A rank that gave its reason may still be ended by torchrun's SIGTERM (a negative code).
+        statuses = [code if (code := codes.get(rank, 1)) > 0 else 1 for rank in own]
         return 2 if 2 in statuses else max(statuses)
     died = {rank: code for rank, code in codes.items()
             if rank not in messages and code != -int(signal.SIGTERM)}
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         gpus = _gpus_visible()
         nproc = _nproc_per_node(gpus)
         if cfg.job.dry_run:  # one process, no rendezvous: NNODES needs no MASTER_ADDR here
-            from engine.dry_run import dry_run
+            from engine.launch.dry_run import dry_run
 
             return dry_run(cfg, nproc * nnodes, gpus_per_node=nproc)
         if not os.environ.get("OMP_NUM_THREADS"):  # processes share the cores: one share each
@@ -217,21 +218,21 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"launch error: {error}")
         return 2
 
-    from engine.preflight import check_setup, hardware_warnings
+    from engine.launch.preflight import check_setup, hardware_warnings
 
     world_size = nproc * nnodes
     device_type = cfg.job.device if cfg.job.device != "auto" else ("cuda" if gpus else "cpu")
     try:
-        check_setup(cfg, world_size, device_type)
+        setup = check_setup(cfg, world_size, device_type)
     except (ValueError, FileNotFoundError) as error:
         _say(f"set-up error: {error}")
         return 2
     for warning in [*cfg.warnings(), *hardware_warnings(cfg, device_type)]:
         _say(f"warning: {warning}")
     if gpus:  # the planner's fit check; only where CUDA GPUs are (the CPU path imports no torch here)
-        from engine.dry_run import fit_warning
+        from engine.launch.dry_run import fit_warning
 
-        warning = fit_warning(cfg, world_size, gpus_per_node=nproc)
+        warning = fit_warning(cfg, world_size, gpus_per_node=nproc, setup=setup)
         if warning:
             _say(f"warning: {warning}")
 
@@ -254,10 +255,3 @@ def main(argv: list[str] | None = None) -> int:
         return _summarize_failure(error, error_dir, signals)
     finally:
         shutil.rmtree(error_dir, ignore_errors=True)
-
-
-if __name__ == "__main__":
-    status = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)

@@ -8,61 +8,23 @@ activation recomputation) divided by the device's peak dense FLOPS.
 from __future__ import annotations
 
 import logging
-import re
 
 import torch
 
+from engine.planner.hardware import GPU_TABLE, lookup_gpu
+
 logger = logging.getLogger("quadra")
 
-# Dense (no 2:4 sparsity) bf16 tensor-core TFLOPS from the vendors' datasheets, matched as
-# case-insensitive whole-token substrings of torch.cuda.get_device_name() (so "A40" does not match
-# "RTX A4000", nor "B200" match "GB200"). The first match wins: a multi-word pattern ("H100 NVL")
-# comes before its prefix ("H100"). GPUs without bf16 (V100, T4) are deliberately absent: MFU
-# prints n/a there unless metrics.peak_tflops is set.
-PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
-    # NVIDIA Blackwell
-    ("GB200", 2500.0),
-    ("B200", 2250.0),
-    ("B100", 1750.0),
-    # NVIDIA Hopper (H100 SXM reports e.g. "NVIDIA H100 80GB HBM3")
-    ("GH200", 989.0),
-    ("H200 NVL", 835.0),
-    ("H200", 989.0),
-    ("H100 NVL", 835.0),
-    ("H100 PCIe", 756.0),
-    ("H100", 989.0),
-    ("H800 PCIe", 756.0),
-    ("H800", 989.0),
-    ("H20", 148.0),
-    # NVIDIA Ampere / Ada (AWS's A10G listed at the A10's figure)
-    ("A100", 312.0),
-    ("A800", 312.0),
-    ("A30", 165.0),
-    ("A40", 149.7),
-    ("A10G", 125.0),
-    ("A10", 125.0),
-    ("L40S", 362.0),
-    ("L40", 181.0),
-    ("L4", 121.0),
-    # AMD Instinct (reported as e.g. "AMD Instinct MI300X")
-    ("MI325X", 1307.4),
-    ("MI300X", 1307.4),
-    ("MI300A", 980.6),
-    ("MI250X", 383.0),
-    ("MI250", 362.1),
-)
+# (pattern, dense bf16 TFLOPS) in match order: a view of the one GPU table (engine/planner/hardware.py).
+PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = tuple(
+    {p: g.peak_flops / 1e12 for g in GPU_TABLE for p in g.patterns or (g.name,)}.items())
 
 
 def lookup_peak_tflops(device_name: str) -> float | None:
-    """Dense bf16 TFLOPS of the first ``PEAK_BF16_TFLOPS`` entry found in ``device_name``.
-
-    A pattern matches when it occurs case-insensitively with no letter or digit right before or
-    after it ("NVIDIA A100-SXM4-80GB" matches "A100"). Returns None when nothing matches.
-    """
-    for pattern, tflops in PEAK_BF16_TFLOPS:
-        if re.search(rf"(?<![a-z0-9]){re.escape(pattern)}(?![a-z0-9])", device_name, re.IGNORECASE):
-            return tflops
-    return None
+    """Dense bf16 TFLOPS of the GPU table's first row that ``device_name`` matches (whole tokens,
+    case-insensitive: "NVIDIA A100-SXM4-80GB" matches "A100"). Returns None when nothing matches."""
+    gpu = lookup_gpu(device_name)
+    return None if gpu is None else gpu.peak_flops / 1e12
 
 
 def get_peak_flops(

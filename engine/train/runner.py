@@ -11,7 +11,7 @@ The trainer never branches on the parallel style (the shape of OLMo-core's train
   post-optimizer hooks of the model parts.
 
 The loss of a microbatch is its token-sum cross entropy divided by the step's global label-token
-count (engine/loss.py), so the summed contributions are the step's mean token loss, independent of
+count (engine/train/loss.py), so the summed contributions are the step's mean token loss, independent of
 the layout and of gradient accumulation. With pipeline parallel only the last stage sees it; the sum
 over the pp group makes every rank log the true loss, never a placeholder.
 """
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from engine.loss import IGNORE_INDEX, token_sum_loss
+from engine.train.loss import IGNORE_INDEX, token_sum_loss
 from parallelisms.context_parallel import ContextParallel
 from parallelisms.data_parallel import sync_on_last_microbatch
 from parallelisms.pipeline import PipelinePlan, build_pipeline_schedule, evaluation_order

@@ -149,3 +149,66 @@ def step_attribution(*, step_s: float, data_s: float, forward_backward_s: float,
     record.update({f"time_comm_{dim}_s": value for dim, value in sorted(comm.items())})
     record["time_other_s"] = step_s - sum(v for k, v in record.items() if k != "time_step_s")
     return record
+
+
+class StepTimer:
+    """The timing scaffolding of one training step, so that ``Trainer.train_step`` reads as its recipe.
+
+    Each :meth:`phase` ("data", "forward_backward", "optimizer") is timed with :meth:`clock`; on an
+    attributed step (``measure``) the clock first waits for the device's queued work (CUDA kernels run
+    asynchronously) and, with a process group, the forward-backward and optimizer phases run under a
+    :class:`CommTimer` each, whose collective wait times :meth:`phases` groups per mesh dim.
+
+    Args:
+        measure: whether this step is attributed (a logged step with ``metrics.time_attribution``).
+        device: the training device; distributed: whether a process group exists.
+        group_dims: process-group name -> mesh dim (``parallelisms.comm_counter.group_names_by_mesh_dim``).
+    """
+
+    TIMED_COMM = ("forward_backward", "optimizer")
+
+    def __init__(self, *, measure: bool, device: torch.device, distributed: bool, group_dims: dict[str, str]):
+        self.measure = measure
+        self._device = device
+        self._group_dims = group_dims
+        self._comm = {name: CommTimer() for name in self.TIMED_COMM} if measure and distributed else {}
+        self.seconds: dict[str, float] = {}
+
+    def clock(self) -> float:
+        """perf_counter, after the device's queued work on attributed steps (seconds)."""
+        if self.measure and self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        return time.perf_counter()
+
+    def phase(self, name: str) -> "_Phase":
+        """A context manager timing phase ``name`` into ``seconds[name]`` (module docstring)."""
+        return _Phase(self, name)
+
+    def phases(self, idle_s: float) -> dict:
+        """The keyword arguments of :func:`step_attribution` but ``step_s``: the phases' seconds, the
+        communication seconds per mesh dim of forward-backward and optimizer, and ``idle_s`` (the
+        pipeline bubble's seconds)."""
+        comm = {name: comm_seconds_by_dim(timer.seconds, self._group_dims) for name, timer in self._comm.items()}
+        return {"data_s": self.seconds["data"], "forward_backward_s": self.seconds["forward_backward"],
+                "optimizer_s": self.seconds["optimizer"], "comm_forward_backward": comm.get("forward_backward", {}),
+                "comm_optimizer": comm.get("optimizer", {}), "idle_s": idle_s}
+
+
+class _Phase:
+    """One :meth:`StepTimer.phase`: its CommTimer (if any) around the timed block."""
+
+    def __init__(self, timer: StepTimer, name: str):
+        self._timer, self._name = timer, name
+        self._comm = timer._comm.get(name)
+
+    def __enter__(self):
+        if self._comm is not None:
+            self._comm.__enter__()
+        self._start = self._timer.clock()
+        return self
+
+    def __exit__(self, *exc):
+        self._timer.seconds[self._name] = self._timer.clock() - self._start
+        if self._comm is not None:
+            self._comm.__exit__(*exc)
+        return False

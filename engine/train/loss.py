@@ -13,7 +13,7 @@ def token_sum_loss(logits: torch.Tensor, labels: torch.Tensor, global_tokens: to
     divided by ``global_tokens`` (the step's label-token count over all ranks and microbatches).
 
     Summing this over every microbatch of every data-parallel rank gives the mean token loss of the
-    global batch, so gradients do not depend on how the batch is split (engine/trainer.py). With the
+    global batch, so gradients do not depend on how the batch is split (engine/train/trainer.py). With the
     default ``global_tokens = 1`` it is the plain token sum (evaluation).
     """
     loss_sum = F.cross_entropy(

@@ -54,16 +54,17 @@ def dry_run(cfg, world_size: int, *, gpus_per_node: int) -> int:
 
     start = time.perf_counter()
     device_type = "cpu" if cfg.job.device == "cpu" else "cuda"
-    from engine.preflight import check_setup
+    from engine.launch.preflight import check_setup
 
     try:
         gpu, gpu_source = _gpu_for(cfg)
-        check_setup(cfg, world_size, device_type)  # every start-up rule, data paths included
-        layout = Layout.from_config(cfg, world_size, device_type)
-        built = [build_real_plan(cfg, world_size, 0, device_type=device_type)]
+        setup = check_setup(cfg, world_size, device_type)  # every start-up rule, data paths included
+        layout = Layout.from_config(cfg, world_size, device_type, setup=setup)
+        built = [build_real_plan(cfg, world_size, 0, device_type=device_type, setup=setup)]
         if layout.pp > 1:  # the last stage holds the output head: build one of its ranks too
             dims = built[0].parallel_dims
-            built.append(build_real_plan(cfg, world_size, rank_of({"pp": layout.pp - 1}, dims), device_type=device_type))
+            built.append(build_real_plan(cfg, world_size, rank_of({"pp": layout.pp - 1}, dims), device_type=device_type,
+                                         setup=setup))
     except (ValueError, FileNotFoundError, HardwareError) as error:
         print(f"set-up error: {error}", file=sys.stderr)
         return 2
@@ -107,13 +108,15 @@ def fit_hint(memory, gpu_bytes: int) -> str:
             "(./scripts/plan.py ranks layouts)")
 
 
-def fit_message(cfg, world_size: int, *, gpus_per_node: int, gpu, gpu_bytes: int, gpu_name: str) -> str | None:
+def fit_message(cfg, world_size: int, *, gpus_per_node: int, gpu, gpu_bytes: int, gpu_name: str,
+                setup=None) -> str | None:
     """The warning line when the planner's per-rank total for ``cfg`` exceeds what a layout may use of
     ``gpu_bytes`` (engine/planner/hardware.py ``usable``), else None.
 
     Args:
         gpu: the hardware table entry (bandwidths and peak for the estimate); gpu_bytes: the
-            device's memory in bytes; gpu_name: as the driver names it.
+            device's memory in bytes; gpu_name: as the driver names it; setup: the pre-flight's
+            ``SetupPlan`` when the caller has it (else the pre-flight runs again).
 
     Raises:
         ValueError: what the pre-flight refuses (the launcher has reported it already).
@@ -121,7 +124,7 @@ def fit_message(cfg, world_size: int, *, gpus_per_node: int, gpu, gpu_bytes: int
     from engine.planner.estimate import estimate
     from engine.planner.layout import Layout
 
-    m = estimate(Layout.from_config(cfg, world_size, "cuda"), gpu, gpus_per_node).memory
+    m = estimate(Layout.from_config(cfg, world_size, "cuda", setup=setup), gpu, gpus_per_node).memory
     if m.total <= usable(gpu_bytes):
         return None
     return (f"the planner predicts {m.total / GIB:.1f} GiB per GPU (params {m.params / GIB:.1f}, grads "
@@ -131,7 +134,7 @@ def fit_message(cfg, world_size: int, *, gpus_per_node: int, gpu, gpu_bytes: int
             f"NCCL and fragmentation): expect out-of-memory; {fit_hint(m, gpu_bytes)}")
 
 
-def fit_warning(cfg, world_size: int, *, gpus_per_node: int) -> str | None:
+def fit_warning(cfg, world_size: int, *, gpus_per_node: int, setup=None) -> str | None:
     """:func:`fit_message` for the detected GPU (formulas only: milliseconds, no model is built); None
     when no GPU of the hardware table family is detected. Never raises: advice must not stop a launch."""
     try:
@@ -144,12 +147,13 @@ def fit_warning(cfg, world_size: int, *, gpus_per_node: int) -> str | None:
         import torch
 
         gpu_bytes = torch.cuda.get_device_properties(0).total_memory
-        return fit_message(cfg, world_size, gpus_per_node=gpus_per_node, gpu=gpu, gpu_bytes=gpu_bytes, gpu_name=name)
+        return fit_message(cfg, world_size, gpus_per_node=gpus_per_node, gpu=gpu, gpu_bytes=gpu_bytes, gpu_name=name,
+                           setup=setup)
     except Exception:  # noqa: BLE001 - advice only
         return None
 
 
-if __name__ == "__main__":  # python -m engine.dry_run --job.config_file X [overrides]; WORLD_SIZE from NGPU × NNODES
+if __name__ == "__main__":  # python -m engine.launch.dry_run --job.config_file X [overrides]; WORLD_SIZE from NGPU × NNODES
     from engine.config import load_config
 
     _cfg = load_config(sys.argv[1:])

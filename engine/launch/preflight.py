@@ -29,6 +29,9 @@ class SetupPlan:
             checkpoints store; model_label: its source for messages ("llama/8B").
         tokenizer_vocab_size: pieces in ``model.tokenizer_path``.
         global_batch_size, grad_accum_steps: sequences per optimizer step and microbatches per rank.
+        tokenizer: the loaded ``model.tokenizer_path`` (engine/data/tokenizer.py), for the process
+            to reuse: the trainer's data loaders read through it.
+        pp_plans: one ``PipelinePlan`` per pp rank (empty without pipeline parallel), planned once.
     """
 
     parallel_dims: object
@@ -39,6 +42,45 @@ class SetupPlan:
     grad_accum_steps: int
     model_record: dict
     model_label: str
+    tokenizer: object = None
+    pp_plans: tuple = ()
+
+    def pipeline_plan(self, pp_rank: int):
+        """The ``PipelinePlan`` of pp rank ``pp_rank``, or None without pipeline parallel."""
+        return self.pp_plans[pp_rank] if self.pp_plans else None
+
+
+@dataclass(frozen=True)
+class ModelSetup:
+    """The model ``[model]`` and ``training.seq_len`` ask for, checked against the tokenizer.
+
+    Attributes:
+        tokenizer: the loaded ``model.tokenizer_path``; spec: the family's ``ModelSpec``;
+        args: the arguments as trained; base_args: before ``seq_len`` (what checkpoints record);
+        label: the source for messages ("llama/8B").
+    """
+
+    tokenizer: object
+    spec: object
+    args: object
+    base_args: object
+    label: str
+
+
+def resolve_model_setup(cfg) -> ModelSetup:
+    """Load the tokenizer and resolve the model (``models.registry.resolve_model``), no layout rule.
+
+    Raises:
+        ValueError or FileNotFoundError: a bad tokenizer path or ``[model]`` setting, one line.
+    """
+    import models  # noqa: F401  (registers the built-in models; torch-free)
+    from engine.data.tokenizer import Tokenizer
+    from models.registry import resolve_model
+
+    tokenizer = Tokenizer(cfg.model.tokenizer_path)
+    spec, args, base_args, label = resolve_model(cfg.model, seq_len=cfg.training.seq_len,
+                                                 tokenizer_vocab_size=tokenizer.vocab_size)
+    return ModelSetup(tokenizer, spec, args, base_args, label)
 
 
 def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = True) -> SetupPlan:
@@ -62,10 +104,8 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
         PipelineConfigError, ExpertParallelError) or FileNotFoundError: one line naming the setting,
         its value and the fix.
     """
-    import models  # noqa: F401  (registers the built-in models; torch-free)
     from engine.data.batch_sizes import resolve_batch_sizes
-    from engine.data.tokenizer import Tokenizer
-    from models.registry import model_record, resolve_model
+    from models.registry import model_record
     from parallelisms.checks import validate_context_parallel
     from parallelisms.parallel_dims import ParallelDims
     from parallelisms.pipeline_plan import plan_model_pipeline
@@ -73,23 +113,36 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
     p, t = cfg.parallelism, cfg.training
     parallel_dims = ParallelDims.from_config(p, world_size)
     global_batch, accum = resolve_batch_sizes(t.local_batch_size, t.global_batch_size, parallel_dims.dp)
-    tokenizer = Tokenizer(cfg.model.tokenizer_path)
-    vocab = tokenizer.vocab_size
-    spec, args, base_args, label = resolve_model(cfg.model, seq_len=t.seq_len, tokenizer_vocab_size=vocab)
+    model = resolve_model_setup(cfg)
+    tokenizer, vocab = model.tokenizer, model.tokenizer.vocab_size
+    spec, args, base_args, label = model.spec, model.args, model.base_args, model.label
     if spec.validate_parallelism_fn is not None:  # heads % tp, experts % ep, ...
         spec.validate_parallelism_fn(args, p, seq_len=t.seq_len, device_type=device_type,
                                      compile_enabled=cfg.compile.enable)
     if parallel_dims.cp_enabled:
         validate_context_parallel(t.seq_len, p.cp, p.tp, p.cp_load_balance, p.cp_rotate_method,
                                   compile_enabled=cfg.compile.enable)
+    pp_plans = ()
     if parallel_dims.pp_enabled:
-        plan_model_pipeline(p, args, local_batch_size=t.local_batch_size, pp_rank=0)
+        pp_plans = _plans_of_every_rank(plan_model_pipeline(p, args, local_batch_size=t.local_batch_size, pp_rank=0),
+                                        p.pp)
     _check_initial_load(cfg, base_args, label)
     if check_data:
         _check_local_data(cfg, tokenizer)
         _check_checkpoint_folder(cfg)
     return SetupPlan(parallel_dims, spec, args, vocab, global_batch, accum,
-                     model_record(cfg.model.name, base_args), label)
+                     model_record(cfg.model.name, base_args), label, tokenizer, pp_plans)
+
+
+def _plans_of_every_rank(plan, pp: int) -> tuple:
+    """``plan`` (pp rank 0's) for each of the ``pp`` ranks: the same split, each rank's own stages."""
+    import dataclasses
+
+    from parallelisms.pipeline_plan import V_SCHEDULES, stage_ids_for_rank
+
+    v_style = plan.schedule_name in V_SCHEDULES
+    return tuple(dataclasses.replace(plan, local_stages=stage_ids_for_rank(r, pp, plan.num_stages, v_style))
+                 for r in range(pp))
 
 
 def _check_initial_load(cfg, args, label: str) -> None:

@@ -1,11 +1,11 @@
 """Entry point: ``python -m engine.train --job.config_file X.toml [--section.key value ...]``.
 
-``run_train.sh`` launches this under torchrun (through engine/launch.py). Configuration and set-up
+``run_train.sh`` launches this under torchrun (through engine/launch/launcher.py). Configuration and set-up
 errors (bad settings, mismatched sizes, missing files) exit with status 2 before any heavy work; a
 diverged loss exits with status 1; a second Ctrl-C outside the launcher exits 130. The reason is one
 line: written to ``$QUADRA_ERROR_DIR/rank<N>.err`` when the launcher set that (it prints each distinct
 reason once), else printed with a ``[rankN]`` prefix. Set ``QUADRA_TRACEBACK=1`` to see full
-tracebacks. SIGTERM, SIGUSR1 or a first SIGINT stops every rank after the current step (engine/signals.py);
+tracebacks. SIGTERM, SIGUSR1 or a first SIGINT stops every rank after the current step (engine/train/signals.py);
 with checkpointing on, the state is saved first, and the process exits 0 with one line saying so.
 """
 
@@ -46,16 +46,16 @@ def main(argv: list[str] | None = None) -> int:
         cfg.validate()
     except ConfigError as error:
         return _fail(rank, "config error", error, 2)
-    if cfg.job.dry_run:  # one process for the whole world (engine/dry_run.py), not one per rank
+    if cfg.job.dry_run:  # one process for the whole world (engine/launch/dry_run.py), not one per rank
         return _fail(rank, "config error", "job.dry_run = true is done by the launcher in one process: run "
                      "./run_train.sh --dry_run (or python -m engine.launch ... --dry_run), not torchrun", 2)
 
-    from engine import signals
+    from engine.train import signals
 
     signals.install()  # before set-up, so that a stop signal during it is not lost
-    from engine.distributed import die_with_parent, is_peer_failure, shutdown_distributed
-    from engine.metrics import init_logging
-    from engine.trainer import Trainer, TrainingDivergedError
+    from engine.train.distributed import die_with_parent, is_peer_failure, shutdown_distributed
+    from engine.observe.metrics import init_logging
+    from engine.train.trainer import Trainer, TrainingDivergedError
 
     if os.environ.get("QUADRA_LAUNCHER"):
         die_with_parent()
@@ -76,13 +76,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return _fail(rank, "stopped", f"another rank went away during a collective ({first_line[:200]})", 1)
-        # (engine/launch.py recognizes this "stopped: another rank went away" as collateral)
+        # (engine/launch/launcher.py recognizes this "stopped: another rank went away" as collateral)
     finally:
         shutdown_distributed(clean=clean)
 
 
 def _build_and_train(cfg, rank: int, trainer_cls, diverged_error) -> int:
-    from engine.trainer import AfterStepError
+    from engine.train.trainer import AfterStepError
 
     try:
         trainer = trainer_cls(cfg)
@@ -115,12 +115,3 @@ def _build_and_train(cfg, rank: int, trainer_cls, diverged_error) -> int:
     if rank == 0:
         logger.info("training finished after %d steps; run folder: %s", trainer.step, trainer.run_folder)
     return 0
-
-if __name__ == "__main__":
-    status = main()
-    # Everything is written and the process group is gone; skip interpreter teardown, where gloo's and
-    # DCP's C++ threads were seen to abort the process at random ("terminate called without an
-    # active exception", SIGABRT) after a clean run, turning a finished run into a failed one.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)

@@ -1,0 +1,137 @@
+"""What a config key changes, and the fingerprint of what a run trains.
+
+Every key of the job config is in one of three classes:
+
+- ``convergence``: changes what is trained: the model, the data and its order, the seed, the
+  tokens per optimizer step, the optimizer, the LR schedule (including ``training.steps``, which
+  sets the decay), clipping, the starting weights. Two runs that differ here are different runs.
+- ``numerics``: the same arithmetic, rounded differently: dtypes, compile, deterministic kernels,
+  the optimizer's kernel, the device. Runs agree to the precision's tolerance, not bitwise.
+- ``execution``: how the same arithmetic is laid out and observed: parallel degrees and schedules,
+  microbatching at a fixed global batch, activation checkpointing, checkpoints, metrics,
+  validation, profiling. Quadra's parity tests hold these to float tolerance of one process.
+
+The run's fingerprint hashes the convergence keys and their values, so that two configs with the
+same fingerprint train the same model (up to numerics). tests/test_fingerprint.py fails when a key
+of the schema is not classified here: a new key forces the decision.
+
+Pure Python (no torch), so the launcher and ``python -m engine.config diff`` use it in a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+CONVERGENCE, NUMERICS, EXECUTION = "convergence", "numerics", "execution"
+
+_CLASSES: dict[str, dict[str, tuple[str, ...]]] = {
+    CONVERGENCE: {
+        "model": ("name", "flavor", "args_path", "tokenizer_path", "vocab_size", "tie_embeddings"),
+        "data": ("path", "text_column", "split", "streaming", "shuffle", "mixture"),
+        "training": ("steps", "global_batch_size", "seq_len", "max_norm", "seed"),
+        "optimizer": ("name", "lr", "beta1", "beta2", "eps", "weight_decay"),
+        "lr_scheduler": ("warmup_steps", "decay_type", "decay_ratio", "min_lr"),
+        "checkpoint": ("initial_load_path", "initial_load_model_only"),
+    },
+    NUMERICS: {
+        "job": ("device",),
+        "training": ("deterministic", "mixed_precision_param", "mixed_precision_reduce"),
+        "optimizer": ("implementation",),
+        "compile": ("enable", "backend"),
+    },
+    EXECUTION: {
+        "job": ("config_file", "dump_folder", "description", "print_config", "dry_run", "dry_run_gpu"),
+        "validation": ("enable", "path", "freq", "steps"),
+        "training": ("local_batch_size", "gc_freq"),
+        "parallelism": (
+            "dp_replicate", "dp_shard", "cp", "cp_rotate_method", "cp_load_balance", "tp", "pp", "pp_schedule",
+            "pp_microbatch_size", "pp_stages_per_rank", "pp_layers_per_stage", "pp_split_points",
+            "pp_input_weight", "pp_output_weight", "ep", "fsdp_reshard_after_forward",
+            "grad_sync_each_microbatch", "sequence_parallel", "loss_parallel", "async_tp",
+        ),
+        "comm": ("backend", "init_timeout_seconds"),
+        "checkpoint": ("enable", "folder", "interval", "keep_latest_k", "async_mode", "load_step"),
+        "metrics": ("log_freq", "enable_tensorboard", "save_tb_folder", "peak_tflops", "log_all_ranks",
+                    "time_attribution"),
+        "activation_checkpoint": ("mode", "selective_ac_option"),
+        "profiling": ("enable", "start_step", "num_steps", "traces_folder", "memory_snapshot"),
+    },
+}
+
+KEY_CLASS: dict[str, str] = {
+    f"{section}.{key}": kind for kind, sections in _CLASSES.items() for section, keys in sections.items() for key in keys
+}
+
+
+GLOBAL_BATCH = "training.global_batch_size"
+# What sets the global batch when training.global_batch_size = -1 (local_batch_size x dp degree).
+SET_GLOBAL_BATCH = ("training.local_batch_size", "parallelism.dp_replicate", "parallelism.dp_shard")
+
+
+def key_class(key: str) -> str:
+    """The class of ``section.key``.
+
+    Raises:
+        KeyError: a key no class lists (add it to ``_CLASSES``).
+    """
+    try:
+        return KEY_CLASS[key]
+    except KeyError:
+        raise KeyError(f"config key {key} has no class in engine/config/fingerprint.py") from None
+
+
+def flatten(config: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """{"section.key": value} of a config as TOML tables ({section: {key: value}})."""
+    return {f"{section}.{key}": value for section, table in config.items() for key, value in table.items()}
+
+
+def fingerprint(config: dict[str, dict[str, Any]]) -> str:
+    """16 hex digits of the SHA-256 of the convergence keys and values of ``config`` (TOML tables,
+    e.g. ``tomllib.loads(config_to_toml(cfg))``), canonical JSON with sorted keys; unknown keys
+    are ignored. A run passes its resolved ``training.global_batch_size`` (never -1), since -1
+    means local_batch_size x dp and so depends on the layout."""
+    values = {key: value for key, value in flatten(config).items() if KEY_CLASS.get(key) == CONVERGENCE}
+    canonical = json.dumps(values, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def run_fingerprint(config_toml: str, global_batch_size: int) -> str:
+    """The fingerprint of a run: :func:`fingerprint` of its config TOML with
+    ``training.global_batch_size`` replaced by the resolved global batch (sequences per step)."""
+    tables = _loads(config_toml)
+    tables.setdefault("training", {})["global_batch_size"] = int(global_batch_size)
+    return fingerprint(tables)
+
+
+def convergence_changes(old_toml: str, new_toml: str) -> list[tuple[str, str, Any, Any]]:
+    """:func:`changes` between two config TOMLs, convergence keys only."""
+    return [change for change in changes(_loads(old_toml), _loads(new_toml)) if change[1] == CONVERGENCE]
+
+
+def _loads(text: str) -> dict:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    return tomllib.loads(text)
+
+
+def changes(old: dict[str, dict[str, Any]], new: dict[str, dict[str, Any]]) -> list[tuple[str, str, Any, Any]]:
+    """[(key, class, old value, new value)] of every key whose value differs, in schema order of
+    ``new`` then keys only ``old`` has; a key missing on one side has the value None there. Keys of
+    no class get the class "unclassified"."""
+    flat_old, flat_new = flatten(old), flatten(new)
+    keys = list(flat_new) + [key for key in flat_old if key not in flat_new]
+    classes = dict(KEY_CLASS)
+    if -1 in (flat_old.get(GLOBAL_BATCH), flat_new.get(GLOBAL_BATCH)):
+        # global_batch_size = -1 is local_batch_size x dp: then they set the tokens per step.
+        classes.update({key: CONVERGENCE for key in SET_GLOBAL_BATCH})
+    return [(key, classes.get(key, "unclassified"), flat_old.get(key), flat_new.get(key))
+            for key in keys if flat_old.get(key) != flat_new.get(key)]
+
+
+def describe(diff: list[tuple[str, str, Any, Any]]) -> str:
+    """``key: old -> new`` of each change, joined by "; " (for one-line messages)."""
+    return "; ".join(f"{key}: {old!r} -> {new!r}" for key, _, old, new in diff)

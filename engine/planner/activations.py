@@ -1,0 +1,106 @@
+"""Per-rank activation bytes of a layout: what the blocks keep for backward, and the peaks beside them.
+
+Activations (a model): the bytes saved for backward, counted per transformer block the way
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", arXiv
+2205.05198, §4.1 and Table 2) count them for GPT, redone for this LLaMA block: RMSNorm inputs, the
+attention inputs q, k, v (k, v repeated to every query head), the attention output and log-sum-exp
+(fused attention keeps no s×s scores), and the SwiGLU tensors w1·x, silu(w1·x), w3·x and their product.
+With b sequences of s tokens (s = seq_len / cp), width h, SwiGLU width f, n_heads a, on t = tp ranks:
+
+    per block (no AC)  =  T·h·(2/t' + 2 + 5/t)·B  +  4·T·f/t·B  +  T·a/t·4       (T = b·s tokens)
+                          norm inputs, inputs of wq.. and w1.. (all-gathered under SP),
+                          q, k, v (repeated), attention output and its copy for wo; SwiGLU; lse
+
+where B = bytes per activation element (training.mixed_precision_param), t' = t with sequence
+parallel (norm tensors are sequence shards) else 1. ``full`` AC keeps only each block's input
+(b·s·h/t'·B) plus, during backward, one block's full set (Korthikanti eq. 6's "2sbh·L + one layer").
+``selective`` "op" keeps the matmul and attention outputs (q, k, v before repetition, o, wo·x, w1·x,
+w3·x, w2·x) and the block input: the element-wise tensors (norms, silu, product) are recomputed.
+On top of the saved tensors the peak holds the larger of the loss's backward (final norm tensors and
+three fp32 [T, V/t] tensors: log-softmax output, its gradient, the logits' gradient; four under loss
+parallel) and one block's backward (its gradient temporaries, and its recomputed activations under
+full AC). The constants of these last two terms are the tensors the CPU runs of
+tests/test_planner_runs.py show alive at the peak (torch's MemTracker).
+
+Pipeline stages hold the activations of the microbatches in flight: M for GPipe (all forwards
+first), min(M, pp - pp_rank) for 1F1B-style schedules (Narayanan et al. arXiv 2104.04473 §2.2).
+The family gives the feed-forward width f (``ModelSpec.ffn_width``; MoE: top_k routed + shared).
+"""
+
+from __future__ import annotations
+
+
+def _tokens(layout) -> int:
+    """T: tokens of one microbatch on one rank (sequences × seq_len / cp)."""
+    return layout.microbatch_size * (layout.seq_len // layout.cp)
+
+
+def block_activation_bytes(layout, ac: str) -> int:
+    """Bytes one transformer block keeps for backward per microbatch (see the module docstring).
+
+    Args:
+        ac: "none", "full" or "op".
+    """
+    a = layout.model_args
+    T, h, t = _tokens(layout), a.dim, layout.tp
+    f = layout.model_spec.get("ffn_width")(a)  # MoE: top_k routed copies of each token + shared experts
+    kv = a.kv_heads * a.head_dim
+    bb = layout.param_bytes
+    tsp = t if layout.sequence_parallel else 1
+    lse = T * (a.n_heads // t) * 4
+    if ac == "full":
+        return T * h // tsp * bb
+    if ac == "op":  # the outputs of the saved ops, and the block input the checkpoint keeps
+        return T * (h // tsp + h // t + 2 * kv // t + h // t + 2 * h) * bb + lse + 2 * T * f // t * bb
+    # none: two norm inputs, the (gathered) inputs of wq/wk/wv and w1/w3, q and k, v repeated to every
+    # query head, the attention output and its [T, h] copy for wo, SwiGLU's four f-wide tensors
+    return T * (2 * h // tsp + 2 * h + 3 * h // t + 2 * h // t) * bb + lse + 4 * T * f // t * bb
+
+
+def backward_temporary_bytes(layout) -> int:
+    """Gradients alive inside one block's backward: SwiGLU's four f-wide and attention's five h-wide
+    tensors (in the compute dtype)."""
+    a = layout.model_args
+    f = layout.model_spec.get("ffn_width")(a)
+    return _tokens(layout) * (4 * f + 5 * a.dim) // layout.tp * layout.param_bytes
+
+
+def head_peak_bytes(layout) -> int:
+    """The last stage's peak at the loss: the final norm's input and (gathered) output, and
+    cross entropy's fp32 [T, V/t] tensors alive in its backward: the log-softmax output, its gradient
+    and the logits' gradient (one more under loss parallel, whose log-softmax keeps its exp); under
+    pipeline parallel also the output weight's gradient of a later microbatch before it is added to
+    the accumulated one."""
+    a = layout.model_args
+    T, t = _tokens(layout), layout.tp
+    tsp = t if layout.sequence_parallel else 1
+    copies = 4 if t > 1 and layout.cfg.parallelism.loss_parallel else 3
+    head = T * (a.dim // tsp + a.dim) * layout.param_bytes + copies * T * (a.vocab_size // t) * 4
+    if layout.pp > 1:  # a later microbatch's output-weight gradient [V/t, h], before it is accumulated
+        head += a.vocab_size // t * a.dim * 4
+    return head
+
+
+def activation_bytes(layout, pp_rank: int = 0) -> int:
+    """Peak activation bytes of one rank (module docstring): the saved tensors of every block of the
+    microbatches in flight, plus the larger of the loss's peak (last stage) and one block's backward
+    (its recomputation first, under full AC)."""
+    mode, option = layout.ac
+    ac = "none" if mode == "none" else ("full" if mode == "full" else ("op" if option == "op" else "every"))
+    stages = layout.stages_of(pp_rank)
+    n_layers = sum(len(layers) if layers is not None else layout.model_args.n_layers for layers, _, _ in stages)
+    has_last = any(last for _, _, last in stages)
+    if ac == "every":  # selective N: every N-th block fully recomputed
+        full = n_layers // int(option)
+        per_mb = full * block_activation_bytes(layout, "full") + (n_layers - full) * block_activation_bytes(layout, "none")
+    else:
+        per_mb = n_layers * block_activation_bytes(layout, ac)
+    in_flight = 1
+    if layout.pp > 1:
+        m = layout.pp_microbatches
+        in_flight = m if layout.cfg.parallelism.pp_schedule.lower() == "gpipe" else min(m, layout.pp - pp_rank)
+        in_flight *= len(stages)
+    backward = backward_temporary_bytes(layout)
+    if ac in ("full", "every"):
+        backward += block_activation_bytes(layout, "none")
+    return per_mb * in_flight + max(head_peak_bytes(layout) if has_last else 0, backward)

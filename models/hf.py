@@ -1,0 +1,184 @@
+"""Hugging Face interop shared by the families (torch-free to import): the adapter a family gives,
+weight rules, and the pieces of ``config.json`` every LLaMA-style decoder shares.
+
+A family's ``ModelSpec.hf_adapter`` names an :class:`HFAdapter`: the ``model_type`` values it reads,
+``config.json`` -> model arguments and back, and its :class:`Rule` list (Quadra weight name <-> the
+Hugging Face weight(s) it is made of, with both conversions). engine/checkpoint/hf.py does the file
+work for every family through it. Adapters raise :class:`HFConfigError` (a ValueError) naming the
+field; the engine turns it into a one-line refusal.
+
+Field names follow transformers' ``LlamaConfig``. Both the older keys (``rope_theta``,
+``rope_scaling``) and transformers 5's ``rope_parameters`` are read; the older ones are written,
+which every transformers release since 4.43 reads.
+
+Queries and keys: Quadra rotates the interleaved channel pairs (2i, 2i+1) of each head, as Meta's
+reference code; Hugging Face rotates (i, i + head_dim/2) (``rotate_half``), so its checkpoints store
+wq/wk rows permuted per head (transformers' ``convert_llama_weights_to_hf.py``). Import undoes the
+permutation, export applies it; both are pure index moves, so a round trip is bitwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+__all__ = ["HFConfigError", "HFAdapter", "Rule", "require", "rope_from_config", "common_args", "common_config",
+           "same", "one", "attention_rules", "norm_rules", "embedding_rule", "head_rules"]
+
+
+class HFConfigError(ValueError):
+    """A Hugging Face config or checkpoint a family cannot express; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One Quadra weight and the Hugging Face weight(s) it is made of, with both conversions
+    (tensors in, tensors out: ``to_quadra(list) -> tensor``, ``to_hf(tensor) -> list``)."""
+
+    quadra: str
+    hf: tuple[str, ...]
+    to_quadra: Callable
+    to_hf: Callable
+
+
+@dataclass(frozen=True)
+class HFAdapter:
+    """What a family gives engine/checkpoint/hf.py.
+
+    Attributes:
+        model_types: the ``config.json`` ``model_type`` values it reads (e.g. ("llama",)).
+        args_from_config: ``(config: dict, where: str) -> model args`` (validated).
+        config_from_args: ``(args, *, dtype, bos_id, eos_id) -> config dict`` for
+            ``transformers.AutoModelForCausalLM``.
+        weight_rules: ``args -> list[Rule]`` in Hugging Face's order (embedding, layers, norm, head).
+    All raise :class:`HFConfigError` for what the family cannot express.
+    """
+
+    model_types: tuple[str, ...]
+    args_from_config: Callable
+    config_from_args: Callable
+    weight_rules: Callable
+
+
+def require(ok: bool, where: str, message: str) -> None:
+    """Raise :class:`HFConfigError` ``"{where}: {message}"`` unless ``ok``."""
+    if not ok:
+        raise HFConfigError(f"{where}: {message}")
+
+
+def rope_from_config(config: dict, where: str) -> tuple[float, dict]:
+    """(rope_theta, LlamaModelArgs rope fields) from either config format (default or "llama3")."""
+    params = config.get("rope_parameters") or {}
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    scaling = config.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    kind = (scaling.get("rope_type") or scaling.get("type")) if scaling else "default"
+    require(float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))) == 1.0, where,
+            "partial_rotary_factor != 1 (RoPE on part of each head) is not implemented in Quadra's attention")
+    if kind in (None, "default"):
+        return theta, {"rope_scaling": "none"}
+    require(kind == "llama3", where, f"RoPE scaling {kind!r} is not supported; Quadra implements the default "
+                                     "and Llama 3.1's \"llama3\" scaling")
+    return theta, {
+        "rope_scaling": "llama3",
+        "rope_scaling_factor": float(scaling["factor"]),
+        "rope_low_freq_factor": float(scaling["low_freq_factor"]),
+        "rope_high_freq_factor": float(scaling["high_freq_factor"]),
+        "rope_original_max_seq_len": int(scaling["original_max_position_embeddings"]),
+    }
+
+
+def common_args(config: dict, where: str) -> dict:
+    """The ``LlamaModelArgs`` fields of a LLaMA-style ``config.json`` (SwiGLU, no biases,
+    head_dim = hidden_size / heads). Raises :class:`HFConfigError`; KeyError for a missing field."""
+    dim, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    require(config.get("hidden_act", "silu") == "silu", where,
+            f"hidden_act = {config.get('hidden_act')!r}; Quadra's feed-forward is SwiGLU (silu)")
+    require(not config.get("attention_bias") and not config.get("mlp_bias"), where,
+            "attention_bias / mlp_bias = true; Quadra's linear layers have no biases")
+    head_dim = config.get("head_dim") or dim // heads
+    require(head_dim * heads == dim, where,
+            f"head_dim = {head_dim} with {heads} heads != hidden_size = {dim}; Quadra needs head_dim = hidden_size / heads")
+    theta, rope = rope_from_config(config, where)
+    return dict(dim=dim, n_layers=int(config["num_hidden_layers"]), n_heads=heads,
+                n_kv_heads=int(config.get("num_key_value_heads") or heads), vocab_size=int(config["vocab_size"]),
+                norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+                max_seq_len=int(config.get("max_position_embeddings", 2048)),
+                tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+                ffn_hidden_size=int(config["intermediate_size"]), **rope)
+
+
+def common_config(args, *, architecture: str, model_type: str, dtype: str, bos_id, eos_id) -> dict:
+    """The ``config.json`` fields every LLaMA-style decoder writes (RoPE scaling included)."""
+    config = {
+        "architectures": [architecture], "model_type": model_type,
+        "hidden_size": args.dim, "intermediate_size": args.ffn_hidden_dim,
+        "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads, "head_dim": args.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": args.max_seq_len, "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta, "rope_scaling": None, "tie_word_embeddings": args.tie_embeddings,
+        "vocab_size": args.vocab_size, "attention_bias": False, "attention_dropout": 0.0,
+        "initializer_range": 0.02, "use_cache": True, "bos_token_id": bos_id, "eos_token_id": eos_id,
+        "torch_dtype": dtype,
+    }
+    if args.rope_scaling == "llama3":
+        config["rope_scaling"] = {
+            "rope_type": "llama3", "factor": args.rope_scaling_factor, "low_freq_factor": args.rope_low_freq_factor,
+            "high_freq_factor": args.rope_high_freq_factor,
+            "original_max_position_embeddings": args.rope_original_max_seq_len,
+        }
+    return config
+
+
+def same(tensors):
+    """One Hugging Face tensor -> the Quadra tensor, unchanged."""
+    return tensors[0]
+
+
+def one(tensor):
+    """The Quadra tensor -> one Hugging Face tensor, unchanged."""
+    return [tensor]
+
+
+def rotate_half_to_pairs(tensors, heads: int):
+    """[heads*hd, dim] in HF's (i, i + hd/2) order -> Meta's interleaved (2i, 2i+1) order, per head."""
+    w = tensors[0]
+    return w.view(heads, 2, w.shape[0] // heads // 2, w.shape[1]).transpose(1, 2).reshape(w.shape)
+
+
+def pairs_to_rotate_half(w, heads: int):
+    """The inverse of :func:`rotate_half_to_pairs`, as a one-tensor list."""
+    return [w.view(heads, w.shape[0] // heads // 2, 2, w.shape[1]).transpose(1, 2).reshape(w.shape)]
+
+
+def embedding_rule() -> Rule:
+    """The token embedding."""
+    return Rule("tok_embeddings.weight", ("model.embed_tokens.weight",), same, one)
+
+
+def attention_rules(args, layer: int) -> list[Rule]:
+    """wq/wk (permuted per head, see the module docstring), wv, wo of block ``layer``."""
+    hf, q = f"model.layers.{layer}.self_attn.", f"layers.{layer}.attention."
+    return [
+        Rule(q + "wq.weight", (hf + "q_proj.weight",),
+             partial(rotate_half_to_pairs, heads=args.n_heads), partial(pairs_to_rotate_half, heads=args.n_heads)),
+        Rule(q + "wk.weight", (hf + "k_proj.weight",),
+             partial(rotate_half_to_pairs, heads=args.kv_heads), partial(pairs_to_rotate_half, heads=args.kv_heads)),
+        Rule(q + "wv.weight", (hf + "v_proj.weight",), same, one),
+        Rule(q + "wo.weight", (hf + "o_proj.weight",), same, one),
+    ]
+
+
+def norm_rules(layer: int) -> list[Rule]:
+    """The two RMSNorm weights of block ``layer``."""
+    hf, q = f"model.layers.{layer}.", f"layers.{layer}."
+    return [Rule(q + "attention_norm.weight", (hf + "input_layernorm.weight",), same, one),
+            Rule(q + "ffn_norm.weight", (hf + "post_attention_layernorm.weight",), same, one)]
+
+
+def head_rules(args) -> list[Rule]:
+    """The final norm and the output head (tied: transformers' checkpoints leave ``lm_head`` out;
+    Quadra's state dict has both names, so ``output.weight`` reads the embedding)."""
+    return [Rule("norm.weight", ("model.norm.weight",), same, one),
+            Rule("output.weight", ("model.embed_tokens.weight",) if args.tie_embeddings else ("lm_head.weight",),
+                 same, one)]

@@ -1,0 +1,59 @@
+"""Hugging Face ``model_type = "llama"`` (Llama-2, Llama-3, 3.1, 3.2: GQA, tied embeddings, ``llama3``
+RoPE scaling) <-> the LLaMA family (:class:`models.llama.args.LlamaModelArgs`), torch-free to import.
+
+Weight names map one to one (models/hf.py: the q/k permutation of RoPE's pair order, the tied head).
+"""
+
+from __future__ import annotations
+
+from models.hf import (HFAdapter, HFConfigError, Rule, attention_rules, common_args, common_config,
+                       embedding_rule, head_rules, norm_rules, one, same)
+
+__all__ = ["LLAMA_HF_ADAPTER"]
+
+
+def args_from_config(config: dict, where: str = "config.json"):
+    """``LlamaModelArgs`` of a Llama ``config.json``.
+
+    Raises:
+        HFConfigError: a feature Quadra's LLaMA lacks (biases, another activation, head_dim !=
+            hidden_size / heads, another RoPE scaling) or a missing field, naming it.
+    """
+    from models.llama.args import LlamaModelArgs
+
+    try:
+        args = LlamaModelArgs(**common_args(config, where))
+    except KeyError as error:
+        raise HFConfigError(f"{where}: missing field {error.args[0]!r}") from None
+    try:
+        args.validate()
+    except ValueError as error:
+        raise HFConfigError(f"{where}: {error}") from None
+    return args
+
+
+def config_from_args(args, *, dtype: str, bos_id: int | None, eos_id: int | None) -> dict:
+    """``config.json`` of a LLaMA model for ``transformers.LlamaForCausalLM``."""
+    config = common_config(args, architecture="LlamaForCausalLM", model_type="llama", dtype=dtype,
+                           bos_id=bos_id, eos_id=eos_id)
+    config["mlp_bias"] = False
+    return config
+
+
+def feed_forward_rules(layer: int) -> list[Rule]:
+    """The SwiGLU w1/w2/w3 of block ``layer`` (gate_proj, down_proj, up_proj)."""
+    hf, q = f"model.layers.{layer}.mlp.", f"layers.{layer}.feed_forward."
+    return [Rule(q + f"{w}.weight", (hf + f"{proj}.weight",), same, one)
+            for w, proj in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))]
+
+
+def weight_rules(args) -> list[Rule]:
+    """Every weight of a LLaMA model with its Hugging Face source, in Hugging Face's order."""
+    rules = [embedding_rule()]
+    for i in range(args.n_layers):
+        rules += attention_rules(args, i) + feed_forward_rules(i) + norm_rules(i)
+    return rules + head_rules(args)
+
+
+LLAMA_HF_ADAPTER = HFAdapter(model_types=("llama",), args_from_config=args_from_config,
+                             config_from_args=config_from_args, weight_rules=weight_rules)

@@ -1,0 +1,71 @@
+"""The LLaMA family as the layout planner sees it (torch-free): parameters, FLOPs, activation width.
+
+Placements follow models/llama/parallelize.py (Megatron-LM TP, arXiv 1909.08053: wq/wk/wv/w1/w3
+column-parallel = ``Shard(0)`` of the [out, in] weight, wo/w2 row-parallel = ``Shard(1)``; the
+vocab-parallel embedding and the output head ``Shard(0)``; norms replicated). The helpers here are
+shared by the families built on this block (models/moe/planning.py).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from models.planning import ParamSpec
+
+__all__ = ["transformer_param_shapes", "dense_feed_forward", "llama_param_shapes", "attention_flops_per_token",
+           "llama_flops_per_token", "llama_ffn_width"]
+
+
+def dense_feed_forward(args, layer: int, prefix: str) -> list[ParamSpec]:
+    """The SwiGLU feed-forward of block ``layer`` ([hidden, dim] w1/w3, [dim, hidden] w2)."""
+    hidden, dim = args.ffn_hidden_dim, args.dim
+    return [ParamSpec(prefix + "feed_forward.w1.weight", (hidden, dim), layer, tp_dim=0),
+            ParamSpec(prefix + "feed_forward.w2.weight", (dim, hidden), layer, tp_dim=1),
+            ParamSpec(prefix + "feed_forward.w3.weight", (hidden, dim), layer, tp_dim=0)]
+
+
+def transformer_param_shapes(args, feed_forward: Callable[[object, int, str], list[ParamSpec]]) -> list[ParamSpec]:
+    """Every parameter of a LLaMA-style decoder in module order, each block's feed-forward from
+    ``feed_forward(args, layer, "layers.N.")``. Shapes: [out_features, in_features] for linear
+    weights (nn.Linear), [vocab, dim] for the embedding and the output head (absent when tied)."""
+    dim, head_dim = args.dim, args.head_dim
+    params = [ParamSpec("tok_embeddings.weight", (args.vocab_size, dim), None, tp_dim=0)]
+    for layer in range(args.n_layers):
+        p = f"layers.{layer}."
+        params += [
+            ParamSpec(p + "attention.wq.weight", (args.n_heads * head_dim, dim), layer, tp_dim=0),
+            ParamSpec(p + "attention.wk.weight", (args.kv_heads * head_dim, dim), layer, tp_dim=0),
+            ParamSpec(p + "attention.wv.weight", (args.kv_heads * head_dim, dim), layer, tp_dim=0),
+            ParamSpec(p + "attention.wo.weight", (dim, args.n_heads * head_dim), layer, tp_dim=1),
+        ]
+        params += feed_forward(args, layer, p)
+        params += [ParamSpec(p + "attention_norm.weight", (dim,), layer, norm=True),
+                   ParamSpec(p + "ffn_norm.weight", (dim,), layer, norm=True)]
+    params.append(ParamSpec("norm.weight", (dim,), None, norm=True))
+    if not args.tie_embeddings:
+        params.append(ParamSpec("output.weight", (args.vocab_size, dim), None, tp_dim=0))
+    return params
+
+
+def llama_param_shapes(args) -> list[ParamSpec]:
+    """``ModelSpec.param_shapes`` of the LLaMA family (``LlamaModelArgs``)."""
+    return transformer_param_shapes(args, dense_feed_forward)
+
+
+def attention_flops_per_token(args, seq_len: int) -> float:
+    """12 · L · n_heads · head_dim · seq_len: the QK^T and PV matmuls of training (PaLM App. B),
+    without the causal-mask saving."""
+    return 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+
+
+def llama_flops_per_token(args, seq_len: int) -> float:
+    """Training FLOPs per token, 6N + attention (PaLM App. B), N without the embedding unless tied
+    (as ``LlamaModelArgs.get_nparams_and_flops``)."""
+    n = sum(p.numel for p in llama_param_shapes(args)
+            if args.tie_embeddings or not p.name.startswith("tok_embeddings"))
+    return 6 * n + attention_flops_per_token(args, seq_len)
+
+
+def llama_ffn_width(args) -> int:
+    """SwiGLU hidden width each token's activations have in a block (the planner's ``f``)."""
+    return args.ffn_hidden_dim

@@ -1,0 +1,233 @@
+"""The house rules of engine/docs/architecture.md ("House rules"), checked on the source (ast) and by
+importing, so that one test says when a change breaks one:
+
+- engine/ knows no model family: no module under engine/ imports a family package
+  (``models.<family>``) or holds a family's name (or a Hugging Face model type a family reads) as a
+  string constant; it reaches families only through models/registry.py;
+- models/ and parallelisms/ never import engine/;
+- files under ~400 lines and functions under ~80 (:data:`MAX_FILE_LINES`, :data:`MAX_FUNCTION_LINES`,
+  with the justified exceptions listed in :data:`EXCEPTIONS`);
+- the torch-free list (:data:`TORCH_FREE`): what the launcher's pre-flight, the planner and the
+  config tools import must import without torch, checked in a subprocess whose import system
+  refuses ``torch``.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.training_utils import REPO
+
+PACKAGES = ("engine", "models", "parallelisms")
+MAX_FILE_LINES = 400
+MAX_FUNCTION_LINES = 80
+# "path" or "path::function" -> why it may exceed the limit. Empty: no exception is needed today.
+EXCEPTIONS: dict[str, str] = {}
+
+# Modules that must import without torch (engine/docs/architecture.md, "Torch-free"): the launcher,
+# its pre-flight and everything that reaches (config, batch arithmetic, tokenizer, data checks,
+# checkpoint markers, model registry, flavors, checks, layout rules), the planner (scripts/plan.py
+# re-runs itself only when it needs torch) and each family's torch-free half.
+TORCH_FREE = (
+    "engine.config", "engine.config.loading", "engine.config.schema", "engine.config.toml_format",
+    "engine.config.validation", "engine.config.fingerprint", "engine.config.__main__",
+    "engine.launch", "engine.launch.launcher", "engine.launch.preflight", "engine.launch.dry_run",
+    "engine.planner", "engine.planner.activations", "engine.planner.comm", "engine.planner.estimate",
+    "engine.planner.hardware", "engine.planner.layout", "engine.planner.memory", "engine.planner.params",
+    "engine.planner.real_plan", "engine.planner.reduction", "engine.planner.report", "engine.planner.schedule",
+    "engine.planner.search",
+    "engine.data.batch_sizes", "engine.data.tokenizer", "engine.data.prepared", "engine.data.sources",
+    "engine.checkpoint.files", "engine.checkpoint.hf_adapter",
+    "models", "models.registry", "models.planning", "models.hf",
+    "parallelisms.checks", "parallelisms.parallel_dims", "parallelisms.pipeline_plan",
+)
+FAMILY_TORCH_FREE = ("args", "flavors", "checks", "planning", "hf")  # of each models/<family>/, when present
+
+ENGINE = os.path.join(REPO, "engine")
+MODELS = os.path.join(REPO, "models")
+
+
+def _python_files(folder: str) -> list[str]:
+    out = []
+    for root, _, names in os.walk(folder):
+        out += [os.path.join(root, n) for n in names if n.endswith(".py")]
+    return sorted(out)
+
+
+def _family_packages() -> set[str]:
+    """The model families' packages: the folders of models/ that are packages."""
+    return {n for n in os.listdir(MODELS) if os.path.isfile(os.path.join(MODELS, n, "__init__.py"))}
+
+
+def _family_words() -> set[str]:
+    """Registered family names and the Hugging Face model types their adapters read."""
+    import models  # noqa: F401
+    from models.registry import get_model_spec, list_model_names, load_ref
+
+    words = set(list_model_names())
+    for name in list_model_names():
+        adapter = get_model_spec(name).hf_adapter
+        if adapter is not None:
+            words.update(load_ref(adapter).model_types)
+    return words
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of the docstring constants of a module, its classes and functions."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
+    return out
+
+
+def imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, module) of every import in ``tree`` (``from a import b`` gives "a" and "a.b")."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append((node.lineno, node.module))
+            out += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+    return out
+
+
+def family_violations(path: str, families: set[str], words: set[str]) -> list[str]:
+    """Lines of ``path`` that import a family package or name a family in a string constant."""
+    with open(path, encoding="utf-8") as fh:
+        tree = ast.parse(fh.read(), path)
+    rel = os.path.relpath(path, REPO)
+    bad = {}
+    for line, module in imported_modules(tree):
+        parts = module.split(".")
+        if parts[0] == "models" and len(parts) > 1 and parts[1] in families:
+            bad.setdefault(line, module)  # one report per import statement
+    out = [f"{rel}:{line} imports {module}" for line, module in sorted(bad.items())]
+    docstrings = _docstrings(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            text = node.value
+            if text in words or any(text.startswith(f"models.{f}") for f in families):
+                out.append(f"{rel}:{node.lineno} names model family {text!r}")
+    return out
+
+
+def test_engine_knows_no_model_family():
+    families, words = _family_packages(), _family_words()
+    assert {"llama", "moe"} <= families and {"llama", "moe", "mixtral"} <= words
+    found = [v for path in _python_files(ENGINE) for v in family_violations(path, families, words)]
+    assert not found, "engine/ must reach model families only through models/registry.py:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("from models.llama.args import LlamaModelArgs\n", "imports models.llama.args"),
+    ("import models.moe\n", "imports models.moe"),
+    ("from models import llama\n", "imports models.llama"),
+    ("if cfg.model.name == 'moe':\n    pass\n", "names model family 'moe'"),
+    ("ref = 'models.llama.model:Transformer'\n", "names model family"),
+])
+def test_family_check_catches(tmp_path, source, expected):
+    """The checker itself finds each kind of violation (and a docstring mention is allowed)."""
+    path = tmp_path / "x.py"
+    path.write_text('"""Mentions llama in prose."""\n' + source)
+    found = family_violations(str(path), _family_packages(), _family_words())
+    assert len(found) == 1 and expected in found[0], found
+
+
+def test_models_and_parallelisms_never_import_engine():
+    found = []
+    for package in ("models", "parallelisms"):
+        for path in _python_files(os.path.join(REPO, package)):
+            with open(path, encoding="utf-8") as fh:
+                tree = ast.parse(fh.read(), path)
+            found += [f"{os.path.relpath(path, REPO)}:{line} imports {module}"
+                      for line, module in imported_modules(tree) if module.split(".")[0] == "engine"]
+    assert not found, "models/ and parallelisms/ must not import engine/:\n" + "\n".join(sorted(set(found)))
+
+
+def size_violations(path: str) -> list[str]:
+    """``path`` over :data:`MAX_FILE_LINES` lines, and its functions over :data:`MAX_FUNCTION_LINES`."""
+    rel = os.path.relpath(path, REPO)
+    with open(path, encoding="utf-8") as fh:
+        source = fh.read()
+    out = []
+    if source.count("\n") > MAX_FILE_LINES and rel not in EXCEPTIONS:
+        out.append(f"{rel}: {source.count(chr(10))} lines > {MAX_FILE_LINES}")
+    for node in ast.walk(ast.parse(source, path)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1
+            if length > MAX_FUNCTION_LINES and f"{rel}::{node.name}" not in EXCEPTIONS:
+                out.append(f"{rel}:{node.lineno} {node.name}: {length} lines > {MAX_FUNCTION_LINES}")
+    return out
+
+
+def test_files_and_functions_stay_small():
+    found = [v for package in PACKAGES for path in _python_files(os.path.join(REPO, package))
+             for v in size_violations(path)]
+    assert not found, "split these (or list a justified exception in EXCEPTIONS):\n" + "\n".join(found)
+
+
+def test_size_check_catches(tmp_path):
+    long_function = "def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES
+    path = tmp_path / "big.py"
+    path.write_text(long_function + "\n" * MAX_FILE_LINES)
+    found = size_violations(str(path))
+    assert len(found) == 2 and "lines > 400" in found[0] and "f: 81 lines > 80" in found[1], found
+
+
+_BLOCK_TORCH = """
+import importlib, sys
+
+class _NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is blocked: this module must import without torch")
+        return None
+
+sys.meta_path.insert(0, _NoTorch())
+failed = []
+for module in sys.argv[1:]:
+    try:
+        importlib.import_module(module)
+    except Exception as error:
+        failed.append(f"{module}: {type(error).__name__}: {error}")
+print("\\n".join(failed))
+sys.exit(1 if failed else 0)
+"""
+
+
+def torch_free_modules() -> list[str]:
+    """:data:`TORCH_FREE` and the torch-free half of every model family."""
+    modules = list(TORCH_FREE)
+    for family in sorted(_family_packages()):
+        modules.append(f"models.{family}")
+        modules += [f"models.{family}.{name}" for name in FAMILY_TORCH_FREE
+                    if os.path.isfile(os.path.join(MODELS, family, name + ".py"))]
+    return modules
+
+
+def import_without_torch(modules: list[str]) -> subprocess.CompletedProcess:
+    """Import ``modules`` in a fresh interpreter whose import system refuses torch."""
+    env = dict(os.environ, PYTHONPATH=REPO)
+    return subprocess.run([sys.executable, "-c", _BLOCK_TORCH, *modules], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_torch_free_list_imports_without_torch():
+    modules = torch_free_modules()
+    assert "models.llama.args" in modules and "models.moe.planning" in modules
+    result = import_without_torch(modules)
+    assert result.returncode == 0, "these modules must import without torch:\n" + result.stdout + result.stderr[-2000:]
+
+
+def test_torch_blocker_catches_a_torch_import():
+    result = import_without_torch(["engine.train.trainer"])
+    assert result.returncode == 1 and "engine.train.trainer: ImportError: torch is blocked" in result.stdout, result
