@@ -6,6 +6,7 @@ import json
 import multiprocessing
 import os
 import subprocess
+import sys
 import time
 
 import pytest
@@ -242,3 +243,10 @@ def test_a_run_switched_between_raw_and_prepared_data_keeps_its_model_and_restar
         "a prepared set", "raw files or a hub dataset")
     assert len(said) == 1 and f"saved reading {saved}" in said[0] and f"this run reads {now}" in said[0], result["warnings"]
     assert "starts at the first window of the current data" in said[0]
+
+
+def test_without_xxhash_a_set_to_verify_is_refused_in_one_line(sets, tok, tmp_path, monkeypatch):
+    folder = copy_set(sets, tmp_path)
+    monkeypatch.setitem(sys.modules, "xxhash", None)  # import xxhash raises ImportError
+    with pytest.raises(PreparedDataError, match="needs the xxhash package .*pip install xxhash"):
+        loader(tok, folder)
