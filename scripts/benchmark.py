@@ -25,7 +25,11 @@ Cases (debugmodel, fp32, CPU, gloo; one intra-op thread per rank):
 - ``data``: prepared data (scripts/benchmarks/data.py): synthetic prepared corpora of 10^7 and 10^9
   tokens (2 GB, written and deleted here); time to the first batch and resident memory added by
   the loader in a fresh process, resume at window 10^8 vs 0, the loader's tokens/s over the debug
-  model's; the bundled raw corpus's start-up for comparison.
+  model's; the bundled raw corpus's start-up for comparison; the one-time checksum verification of
+  a set's first start (later starts trust the record, as every start-up sample here does).
+- ``data_prepare`` (optional: ``--only data_prepare``): scripts/prepare_data.py's preparation of the
+  bundled corpus repeated 8 times (11.6M tokens, one jsonl, its Arrow conversion included) with
+  ``--num_proc`` 1 and 2, interleaved, each in a fresh process; the speed-up of 2 over 1.
 
 Discipline (scripts/benchmarks/harness.py): refuses to start a case while other processes use more
 than ``--max-load`` of the cores, drops warm-up steps, interleaves variants, reports medians with the
@@ -53,6 +57,7 @@ from scripts.benchmarks.harness import MachineBusyError, Stat, guard_load, inter
 from tests.dist_utils import run_distributed  # noqa: E402
 
 CASES = ("loop", "scaling", "comm", "memory", "ac_compile", "data")
+OPTIONAL_CASES = ("data_prepare",)  # run only when named in --only
 FSDP2 = {"parallelism.dp_shard": 2}
 DDP2 = {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 1}
 TP2 = {"parallelism.tp": 2, "parallelism.dp_shard": 1}
@@ -234,6 +239,9 @@ def case_data(b: Bench) -> None:
         folders[name] = os.path.join(b.folder, f"synthetic_{name}")
         out["write_s"][name] = data.write_synthetic(folders[name], n)
         b.row("data", f"write a synthetic prepared corpus of {name} tokens", f"{out['write_s'][name]:.1f} s")
+        checked = out.setdefault("verify", {})[name] = data.verify_once(folders[name])
+        b.row("data", f"{name} tokens: one-time checksum verification (first start on a set; warm page cache)",
+              f"{checked['seconds']:.2f} s for {checked['bytes'] / 1e9:.2f} GB = {checked['gb_per_s']:.2f} GB/s")
     spec = {"seq_len": b.seq_len, "local_batch_size": b.local_batch_size, "seconds": 1.0}
     runs_ = {f"{name}@{pos:g}": {**spec, "path": folder, "position": pos}
              for name, folder in folders.items() for pos in (0, 10**8)}
@@ -260,20 +268,44 @@ def case_data(b: Bench) -> None:
     b.results["data"] = out
 
 
+def case_data_prepare(b: Bench, repeats: int = 8) -> None:
+    from scripts.benchmarks import data
+
+    corpus = data.repeated_corpus(os.path.join(b.folder, "corpus.jsonl"), repeats)
+    procs = (1, 2)
+    specs = {n: {"kind": "prepare", "input": corpus, "output": os.path.join(b.folder, f"prepared_{n}"), "num_proc": n,
+                 "env": {"HF_DATASETS_CACHE": os.path.join(b.folder, f"hf_cache_{n}")}} for n in procs}
+
+    def sample(n: int) -> list[dict]:
+        shutil.rmtree(specs[n]["env"]["HF_DATASETS_CACHE"], ignore_errors=True)  # convert the input each time
+        return [data.measure_in_fresh_process(specs[n])]
+
+    samples = interleave({n: (lambda n=n: sample(n)) for n in procs}, max(3, b.rounds // 2))
+    seconds = {n: [s["seconds"] for s in samples[n]] for n in procs}
+    for n in procs:
+        cpu = Stat.of([s["cpu_workers_s"] for s in samples[n]]).median, Stat.of([s["cpu_main_s"] for s in samples[n]]).median
+        b.row("data_prepare", f"prepare train.jsonl x{repeats}, --num_proc {n}: seconds (CPU s workers / main)",
+              f"{Stat.of(seconds[n]).median:.1f} s ({cpu[0]:.1f} / {cpu[1]:.1f})")
+    b.row("data_prepare", "--num_proc 2 over 1: speed-up (time 1 / time 2)", _fmt_ratio(ratio_stat(seconds[1], seconds[2])))
+    b.results["data_prepare"] = {"samples": samples}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds: about 5 minutes on 2 cores")
     parser.add_argument("--json", help="write every sample and ratio here")
-    parser.add_argument("--only", default=",".join(CASES), help=f"comma-separated cases of {','.join(CASES)}")
+    parser.add_argument("--only", default=",".join(CASES),
+                        help=f"comma-separated cases of {','.join(CASES + OPTIONAL_CASES)} (default: all but "
+                             f"{','.join(OPTIONAL_CASES)})")
     parser.add_argument("--seq_len", type=int, default=256)
     parser.add_argument("--local_batch_size", type=int, default=4)
     parser.add_argument("--max-load", type=float, default=0.25,
                         help="refuse to measure while other processes use more than this fraction of the cores")
     args = parser.parse_args(argv)
     cases = [c.strip() for c in args.only.split(",") if c.strip()]
-    unknown = sorted(set(cases) - set(CASES))
+    unknown = sorted(set(cases) - set(CASES + OPTIONAL_CASES))
     if unknown:
-        parser.error(f"--only: unknown case(s) {unknown}; choose from {','.join(CASES)}")
+        parser.error(f"--only: unknown case(s) {unknown}; choose from {','.join(CASES + OPTIONAL_CASES)}")
     import engine.train.trainer  # noqa: F401 - imported once; the forked ranks inherit it
 
     bench = Bench(args)

@@ -1,12 +1,12 @@
-"""Prepared data sets: preparation, memory-mapped windows, O(1) shuffle, mixtures, resume, refusals.
+"""Prepared data sets: preparation, memory-mapped windows, O(1) shuffle, mixtures, resume.
 
 Every order is compared with a plain reference computed here: the packed stream from the
 tokenizer, the Feistel permutation written out with Python integers, and the mixture schedule
-simulated position by position (engine/data/order.py documents both).
+simulated position by position (engine/data/order.py documents both). The refusals are in
+tests/test_data_prepared_safety.py.
 """
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -17,59 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine.data import build_dataloader, build_validation_dataloader
+from engine.data import build_validation_dataloader
 from engine.data.prepare import prepare
-from engine.data.prepared import PreparedDataError, is_prepared, verify_checksums
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-S = 8
+from engine.data.prepared import is_prepared
+from tests.prepared_utils import (REPO, S, by_position, cfg, load_prepare_script, loader, quiet, sets,  # noqa: F401
+                                  write_jsonl)
 
 pytestmark = pytest.mark.usefixtures("private_datasets_cache")
-
-
-def make_docs(n: int, tag: str = "Doc") -> list[str]:
-    return [f"{tag} {i}: " + "word " * (i % 7 + 1) + ("\nthe end.\n" if i % 2 else "") for i in range(n)]
-
-
-def write_jsonl(path, docs) -> str:
-    with open(path, "w") as f:
-        for d in docs:
-            f.write(json.dumps({"text": d}) + "\n")
-    return str(path)
-
-
-def quiet(_line: str) -> None:
-    pass
-
-
-@pytest.fixture(scope="module")
-def sets(tmp_path_factory, tok):
-    """Two prepared sets: 'a' (the corpus of tests/test_data.py) and 'b' (other documents)."""
-    root = tmp_path_factory.mktemp("prepared")
-    out = {}
-    for name, docs in (("a", make_docs(24)), ("b", make_docs(9, "Other text"))):
-        raw = write_jsonl(root / f"{name}.jsonl", docs)
-        out[name] = SimpleNamespace(raw=raw, docs=docs, folder=str(root / name), stream=reference_stream(tok, docs))
-        prepare(raw, out[name].folder, tok.path, num_proc=1, log=quiet)
-    return out
-
-
-def reference_stream(tok, docs) -> torch.Tensor:
-    return torch.tensor([t for d in docs for t in [tok.bos_id, *tok.encode(d, False, False), tok.eos_id]])
-
-
-def cfg(path, **kw):
-    return SimpleNamespace(**{**dict(path=path, text_column="text", split="train", streaming=False, shuffle=False,
-                                     mixture=[]), **kw})
-
-
-def loader(tok, path, *, L=1, G=-1, dp=1, r=0, seed=0, infinite=True, **kw):
-    return build_dataloader(cfg(path, **kw), tok, seq_len=S, local_batch_size=L, global_batch_size=G,
-                            dp_rank=r, dp_degree=dp, seed=seed, infinite=infinite)
-
-
-def by_position(ld, n) -> torch.Tensor:
-    return torch.cat([ld.next_batch()[0] for _ in range(n)])
 
 
 # ---------------------------------------------------------------- references
@@ -123,22 +77,20 @@ def ref_mixture_sources(counts: list[int], positions: int) -> list[int]:
 # ---------------------------------------------------------------- preparing
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("prepare_data", os.path.join(REPO, "scripts", "prepare_data.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_prepare_twice_is_byte_identical_and_a_complete_folder_is_left_alone(sets, tok, tmp_path, capsys):
     a = sets["a"]
-    out = subprocess.run([os.path.join(REPO, "scripts", "prepare_data.py"), a.raw, str(tmp_path / "again"),
-                          "--tokenizer", tok.path, "--num_proc", "2", "--shard_tokens", "100"],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    parts = tmp_path / "in"  # a folder of 3 files: 2 processes convert it to Arrow and tokenize it
+    os.makedirs(parts)
+    for i, (start, end) in enumerate([(0, 10), (10, 17), (17, len(a.docs))]):
+        write_jsonl(parts / f"part{i}.jsonl", a.docs[start:end])
+    out = subprocess.run([os.path.join(REPO, "scripts", "prepare_data.py"), str(parts), str(tmp_path / "again"),
+                          "--tokenizer", tok.path, "--num_proc", "2", "--shard_tokens", "100"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "HF_DATASETS_CACHE": str(parts / ".cache")})  # (hidden: not an input)
     assert out.returncode == 0, out.stderr
     assert "tokens/s" in out.stdout
     shard = dict(num_proc=1, log=quiet, shard_tokens=100)
-    prepare(a.raw, str(tmp_path / "new" / "once"), tok.path, **shard)  # the parent folder is created
+    prepare(str(parts), str(tmp_path / "new" / "once"), tok.path, **shard)  # the parent folder is created
     shutil.move(str(tmp_path / "new" / "once"), str(tmp_path / "once"))
     os.rmdir(tmp_path / "new")
     files = sorted(os.listdir(tmp_path / "once"))
@@ -146,14 +98,14 @@ def test_prepare_twice_is_byte_identical_and_a_complete_folder_is_left_alone(set
     for name in files:  # 2 processes vs 1: the same bytes, manifest included
         assert (tmp_path / "once" / name).read_bytes() == (tmp_path / "again" / name).read_bytes(), name
     stamp = os.stat(tmp_path / "once" / "manifest.json").st_mtime_ns
-    assert _load_script().main([a.raw, str(tmp_path / "once"), "--tokenizer", tok.path]) == 0
+    assert load_prepare_script().main([str(parts), str(tmp_path / "once"), "--tokenizer", tok.path]) == 0
     assert "already prepared" in capsys.readouterr().out
     assert os.stat(tmp_path / "once" / "manifest.json").st_mtime_ns == stamp
     tokens = np.concatenate([np.load(tmp_path / "once" / f) for f in files if f.startswith("tokens-")])
     assert tokens.dtype == np.uint16 and np.array_equal(tokens, a.stream.numpy())
     offsets = np.load(tmp_path / "once" / "documents.npy")
     assert np.array_equal(np.diff(offsets), [len(tok.encode(d, True, True)) for d in a.docs])
-    assert sorted(os.listdir(tmp_path)) == ["again", "once"]  # no temporary folder left
+    assert sorted(os.listdir(tmp_path)) == ["again", "in", "once"]  # no temporary folder left
 
 
 def test_an_interrupted_preparation_leaves_no_output(sets, tok, tmp_path, monkeypatch):
@@ -260,91 +212,6 @@ def test_validation_reads_a_prepared_folder(sets, tok):
     prepared, raw = ([x for x, _ in vl] for vl in made)
     assert len(prepared) == len(raw) == ((len(a.stream) - 1) // S) // 2
     assert all(torch.equal(x, y) for x, y in zip(prepared, raw))
-
-
-# ---------------------------------------------------------------- refusals
-
-
-def other_tokenizer(folder) -> str:
-    """A tiny Hugging Face tokenizer.json (vocabulary of 5) with BOS/EOS."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tokenizer = Tokenizer(models.WordLevel({"<pad>": 0, "<s>": 1, "</s>": 2, "[UNK]": 3, "word": 4}, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    os.makedirs(folder, exist_ok=True)
-    tokenizer.save(os.path.join(folder, "tokenizer.json"))
-    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        json.dump({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}, f)
-    return os.path.join(folder, "tokenizer.json")
-
-
-def test_another_tokenizer_is_refused_before_any_rank_starts(sets, tmp_path):
-    out = subprocess.run([os.path.join(REPO, "run_train.sh"), "--data.path", sets["a"].folder, "--model.tokenizer_path",
-                          other_tokenizer(tmp_path / "tok"), "--job.dump_folder", str(tmp_path / "run")],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2, out.stderr
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and "data.path=" in lines[0] and "was prepared with tokenizer" in lines[0], out.stderr
-    assert "vocab_size 4096" in lines[0] and not os.path.exists(tmp_path / "run" / "config.toml")
-
-
-def _copy(sets, tmp_path, name="copy") -> str:
-    folder = str(tmp_path / name)
-    shutil.copytree(sets["a"].folder, folder)
-    return folder
-
-
-def _setup(folder, tmp_path, *extra):
-    from engine.config import load_config
-    from engine.launch.preflight import check_setup
-
-    cfg = load_config(["--data.path", folder, "--job.dump_folder", str(tmp_path / "run"), *extra])
-    cfg.validate()
-    return check_setup(cfg, 1, "cpu")
-
-
-@pytest.mark.parametrize("key, value, named", [("policy", "bos", "policy"), ("sha256", "0" * 64, "sha256"),
-                                               ("eos_id", 7, "eos_id")])
-def test_a_manifest_of_another_tokenizer_identity_is_refused(sets, tmp_path, key, value, named):
-    folder = _copy(sets, tmp_path)
-    with open(os.path.join(folder, "manifest.json")) as f:
-        manifest = json.load(f)
-    manifest["tokenizer"][key] = value
-    with open(os.path.join(folder, "manifest.json"), "w") as f:
-        json.dump(manifest, f)
-    with pytest.raises(PreparedDataError, match=f"was prepared with tokenizer .*{named}"):
-        _setup(folder, tmp_path)
-
-
-def test_truncated_and_corrupted_shards_are_refused_by_name(sets, tok, tmp_path):
-    folder = _copy(sets, tmp_path)
-    shard = os.path.join(folder, "tokens-00000.npy")
-    size = os.path.getsize(shard)
-    with open(shard, "r+b") as f:
-        f.truncate(size - 2)
-    for build in (lambda: _setup(folder, tmp_path), lambda: loader(tok, folder),
-                  lambda: loader(tok, "unused", mixture=[f"{folder}:1"])):
-        with pytest.raises(PreparedDataError, match=f"tokens-00000.npy has {size - 2} bytes but the manifest records {size}"):
-            build()
-    folder = _copy(sets, tmp_path, "flipped")
-    shard = os.path.join(folder, "tokens-00000.npy")
-    with open(shard, "r+b") as f:
-        f.seek(size - 1)
-        last = f.read(1)
-        f.seek(size - 1)
-        f.write(bytes([last[0] ^ 1]))
-    assert verify_checksums(sets["a"].folder) == [] and verify_checksums(folder) == ["tokens-00000.npy"]
-    assert _load_script().main(["--verify", folder]) == 2
-
-
-def test_a_state_of_other_data_is_refused(sets, tok):
-    ld = loader(tok, sets["a"].folder, L=2)
-    ld.next_batch()
-    for other in (loader(tok, sets["b"].folder, L=2), loader(tok, "unused", L=2, mixture=[f"{sets['a'].folder}:1"])):
-        with pytest.raises(ValueError, match="state has data='prepared:"):
-            other.load_state_dict(ld.state_dict())
-    with pytest.raises(ValueError, match="state has data='raw files or a hub dataset'"):
-        loader(tok, sets["a"].folder, L=2).load_state_dict(loader(tok, sets["a"].raw, L=2).state_dict())
 
 
 # ---------------------------------------------------------------- training (2 gloo processes)

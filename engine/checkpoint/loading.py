@@ -41,6 +41,15 @@ from engine.checkpoint.state import (
 logger = logging.getLogger("quadra")
 
 
+def _saved_loader_keys(metadata, mine: dict) -> dict:
+    """The data loader state to ask DCP for: the keys the checkpoint holds, not those this loader
+    has. A loader of other sources has other keys (a prepared set adds ``data``, a raw path has
+    none): DCP refuses a missing key, and would never show the loader a saved one it did not ask
+    for. The loader's ``load_state_dict`` then judges the state as saved (None fills in for DCP)."""
+    saved = [fqn.split(".", 1)[1] for fqn in metadata.state_dict_metadata if fqn.startswith("dataloader.")]
+    return {key: mine.get(key) for key in saved}
+
+
 class LoadingMixin:
     """The load side of CheckpointManager, and the collectives both sides use; see the module docstring."""
 
@@ -231,6 +240,7 @@ class LoadingMixin:
         # optimizer or schedule setting takes effect from the first resumed step.
         settings, base_lrs = optimizer_settings(self.state.optimizers), list(self.lr_scheduler.base_lrs)
         state = self._training_state()
+        state["dataloader"] = _saved_loader_keys(metadata, state["dataloader"])
         rank_key = f"rank{self.dist.rank}"
         same_world = marker.get("world_size") == self.dist.world_size
         if same_world and f"rng.{rank_key}.cpu" in metadata.state_dict_metadata:

@@ -2,7 +2,9 @@
 split over data-parallel ranks, resumable and independent of the layout.
 
 Modules: ``sources`` (reading documents with Hugging Face ``datasets``), ``tokenizer``
-(SentencePiece), ``packing`` (documents -> ``seq_len + 1`` token windows), ``loader`` (the stateful
+(SentencePiece), ``packing`` (documents -> ``seq_len + 1`` token windows), ``streaming`` (windows of
+a streaming dataset and a resume that seeks), ``prepared``/``prepare``/``prepared_windows``/
+``checksums``/``order``/``readahead`` (prepared, memory-mapped sets), ``loader`` (the stateful
 per-rank loaders and their builders), ``batch_sizes`` (global batch and gradient accumulation).
 
 The names below are imported on first use (PEP 562), so that ``engine.data.batch_sizes`` and the

@@ -22,11 +22,12 @@ import torch
 
 from engine.data.batch_sizes import resolve_batch_sizes  # noqa: F401  (re-exported)
 
-from engine.data.packing import MapWindows, StreamWindows, pack_documents
+from engine.data.packing import MapWindows, pack_documents
 from engine.data.prepared import is_prepared
-from engine.data.prepared_windows import PreparedWindows, build_mixture
+from engine.data.prepared_windows import RAW_DATA, PreparedWindows, build_mixture, describe_data
 from engine.data.readahead import ReadAhead
 from engine.data.sources import iter_text_batches, load_documents
+from engine.data.streaming import StreamWindows, iter_stream_batches
 from engine.data.tokenizer import Tokenizer
 
 logger = logging.getLogger("quadra.data")
@@ -53,12 +54,14 @@ class PackedDataLoader:
     the next microbatch within that step, not anything per rank. Loading it continues at exactly
     the next window. A state saved at a step boundary (microbatch 0) may be loaded under another
     dp degree, local or global batch size: no window is repeated or skipped. A state saved in the
-    middle of a step needs the same layout (else ValueError). With streaming data a resume re-reads
-    and re-tokenizes the stream up to the saved position within its epoch (earlier epochs are
-    skipped unread), which costs time proportional to that position.
+    middle of a step needs the same layout (else ValueError). With streaming data the state also
+    notes where the position lies in the stream (``stream``, engine/data/streaming.py): a resume
+    seeks there through the dataset's own state instead of re-tokenizing the stream up to it.
 
-    A source with an ``identity`` (prepared sets and mixtures) adds it to the state as ``data``, and
-    a state of other data is refused.
+    A source with an ``identity`` (prepared sets and mixtures) adds it to the state as ``data``; a
+    state without one was saved reading raw files or a hub dataset. A state of other data (another
+    prepared set or mixture, or raw data into a prepared run and the other way) is refused: its
+    positions address other windows, even of the same corpus, whose raw and prepared shuffles differ.
 
     Args:
         source: a `MapWindows`, `StreamWindows`, `PreparedWindows` or `MixtureWindows`.
@@ -106,6 +109,8 @@ class PackedDataLoader:
         step_end = self._position + self.global_batch_size - 1
         if self._microbatch == 0 and not self.source.infinite and not self.source.ensure(step_end):
             raise StopIteration  # drop the partial last step so every rank stops together
+        if self._microbatch == 0 and isinstance(self.source, StreamWindows):
+            self.source.release_before(self._position)  # what a resume from this step needs
         start = self._position + self.dp_rank * L * A + self._microbatch * L
         windows = self._fetch(start)
         epoch = self.source.epoch_of(start + L - 1)
@@ -185,6 +190,7 @@ class PackedDataLoader:
             "shuffle": self.shuffle,
             "seed": self.seed,
             "streaming": self.streaming,
+            **({"stream": self.source.stream_state(self._position)} if isinstance(self.source, StreamWindows) else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -198,10 +204,13 @@ class PackedDataLoader:
         if missing:
             raise ValueError(f"data loader state lacks {missing}; it was not made by PackedDataLoader")
         mine = self.state_dict()
+        if state.get("data", RAW_DATA) != mine.get("data", RAW_DATA):
+            raise ValueError(
+                f"data loader state was saved reading {describe_data(state.get('data', RAW_DATA))} but this run reads "
+                f"{describe_data(mine.get('data', RAW_DATA))} (data.path / data.mixture changed): the saved positions "
+                "address other windows; to continue that order, resume with the data.path or data.mixture of the "
+                "checkpoint's config (quadra.json)")
         checks = ["seq_len", "streaming", "shuffle"] + (["seed"] if self.shuffle else [])
-        if "data" in mine:
-            checks.insert(0, "data")
-            state = {"data": "raw files or a hub dataset", **state}
         if mine["windows_per_epoch"] > 0 and state["windows_per_epoch"] > 0:
             checks.append("windows_per_epoch")
         for key in checks:
@@ -221,8 +230,9 @@ class PackedDataLoader:
             )
         if not 0 <= state["microbatch"] < self.grad_accum_steps or state["position"] < 0:
             raise ValueError(f"data loader state is corrupt: {state}")
-        if isinstance(self.source, StreamWindows):
-            self.source.rewind(state["windows_per_epoch"] if state["windows_per_epoch"] > 0 else None)
+        if isinstance(self.source, StreamWindows):  # seeks with the state's stream note, else re-reads the epoch
+            self.source.resume(int(state["position"]), state.get("stream") or "",
+                               state["windows_per_epoch"] if state["windows_per_epoch"] > 0 else None)
         self.close()  # read-ahead of the old position
         self._position = int(state["position"])
         self._microbatch = int(state["microbatch"])
@@ -287,7 +297,7 @@ def _make_source(path: str, setting: str, data_cfg, tokenizer: Tokenizer, *, spl
                         streaming=data_cfg.streaming, setting=setting)
     if data_cfg.streaming:
         def make() -> StreamWindows:
-            source = StreamWindows(lambda: iter_text_batches(ds, data_cfg.text_column), tokenizer,
+            source = StreamWindows(lambda state: iter_stream_batches(ds, data_cfg.text_column, state), tokenizer,
                                    seq_len, infinite=infinite, where=where)
             source.ensure(0)  # fail now if not one window fits
             return source

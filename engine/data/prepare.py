@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from engine.data.checksums import DIGEST, new_hasher
 from engine.data.prepared import (DOCUMENTS, FORMAT, MANIFEST, PreparedDataError, is_prepared, read_manifest,
                                   tokenizer_identity)
 
@@ -42,22 +43,21 @@ def _npy_header(dtype: np.dtype, length: int) -> bytes:
 
 
 class _NpyWriter:
-    """Writes one 1-D .npy file of known length from chunks, hashing the bytes as they go."""
+    """Writes one 1-D .npy file of known length from chunks, hashing the bytes as they go (the
+    manifest's digest, engine/data/checksums.py)."""
 
     def __init__(self, path: str, dtype: np.dtype, length: int):
-        import hashlib
-
         self.path, self.dtype, self.length, self.written = path, dtype, length, 0
         self._fh = open(path, "wb")
-        self._hash = hashlib.sha256()
+        self._hash = new_hasher(DIGEST)
         self._put(_npy_header(dtype, length))
 
-    def _put(self, data: bytes) -> None:
+    def _put(self, data) -> None:
         self._fh.write(data)
         self._hash.update(data)
 
     def write(self, array: np.ndarray) -> None:
-        self._put(np.ascontiguousarray(array, dtype=self.dtype).tobytes())
+        self._put(np.ascontiguousarray(array, dtype=self.dtype).view(np.uint8))  # its buffer, not a copy
         self.written += len(array)
 
     def close(self) -> dict:
@@ -65,7 +65,7 @@ class _NpyWriter:
         if self.written != self.length:
             raise RuntimeError(f"{self.path}: wrote {self.written} of {self.length} elements")
         return {"file": os.path.basename(self.path), "bytes": os.path.getsize(self.path),
-                "sha256": self._hash.hexdigest()}
+                DIGEST: self._hash.hexdigest()}
 
 
 def _write_shards(folder: str, dtype: np.dtype, total: int, chunks: Iterable[np.ndarray], shard_tokens: int,
@@ -197,7 +197,8 @@ def prepare(source: str, output: str, tokenizer_path: str, *, text_column: str =
         output: the prepared folder.
         tokenizer_path: a SentencePiece model or tokenizer.json (engine/data/tokenizer.py).
         text_column, split: as ``data.text_column`` / ``data.split``.
-        num_proc: tokenizer processes (``datasets.Dataset.map``).
+        num_proc: processes converting the input into the datasets cache (one per input file,
+            ``load_dataset``) and tokenizing it (``datasets.Dataset.map``).
         shard_tokens: tokens per shard file.
 
     Returns:
@@ -222,7 +223,7 @@ def prepare(source: str, output: str, tokenizer_path: str, *, text_column: str =
     if done is not None:
         return done
     ds = load_documents(source, text_column=text_column, split=split, setting="input",
-                        column_setting="--text_column")
+                        column_setting="--text_column", num_proc=num_proc)
     os.makedirs(os.path.dirname(output), exist_ok=True)
     cache = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.cache-", dir=os.path.dirname(output))
     try:

@@ -4,7 +4,7 @@ A prepared folder (written by scripts/prepare_data.py through engine/data/prepar
 
 - ``manifest.json``: format, tokenizer identity (path, sha256 of its file, vocab size, BOS/EOS ids
   and policy), token dtype, token and document counts, the sources, and per file its size in
-  bytes and sha256;
+  bytes and its digest (``xxh3_128``; sets of format v1 record ``sha256``, and are read as well);
 - ``tokens-NNNNN.npy``: the packed token stream (exactly what engine/data/packing.py's
   ``pack_documents`` gives for the same documents and tokenizer) cut into shards, 1-D ``.npy``
   arrays of the smallest unsigned dtype that holds the vocabulary (uint16 up to 65536 ids);
@@ -12,9 +12,11 @@ A prepared folder (written by scripts/prepare_data.py through engine/data/prepar
 
 Checks, cheapest first: at every open (the launcher's pre-flight and every rank) the manifest is
 read and every file's size compared with it, so a truncated or extended shard is refused with its
-file name; ranks then open the shards with numpy, which checks their headers. Content checksums
-(sha256) are compared by ``scripts/prepare_data.py --verify FOLDER`` only: hashing the whole corpus
-at every launch would make start-up grow with the corpus (about 1.2 GB/s on one core here).
+file name. Ranks then compare every file with its digest (engine/data/checksums.py): hashed the
+first time a file is seen (per file version: size, mtime, ctime, inode), trusted from a cached
+record afterwards, so a corrupted shard is refused by name and a launch on a verified set costs one
+``os.stat`` per file; numpy checks each shard's header. ``scripts/prepare_data.py --verify FOLDER``
+hashes everything again, whatever the record says.
 
 Standard library only: the launcher's pre-flight (engine/launch/preflight.py) imports this module, and it
 must not import torch or numpy.
@@ -27,7 +29,8 @@ import json
 import os
 
 MANIFEST = "manifest.json"
-FORMAT = "quadra-prepared-v1"
+FORMAT = "quadra-prepared-v2"  # written; v1 (sha256 digests) is read too
+READABLE_FORMATS = ("quadra-prepared-v1", FORMAT)
 DOCUMENTS = "documents.npy"
 
 
@@ -84,13 +87,18 @@ def read_manifest(folder: str, setting: str = "data.path") -> dict:
         raise PreparedDataError(f"{where} has no {MANIFEST}; prepare it with scripts/prepare_data.py") from None
     except (OSError, ValueError) as err:
         raise PreparedDataError(f"{where}: {MANIFEST} is unreadable ({err}); prepare the folder again") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") not in READABLE_FORMATS:
         raise PreparedDataError(f"{where}: {MANIFEST} is not a {FORMAT} manifest; prepare the folder again with "
                                 "scripts/prepare_data.py")
     missing = [k for k in ("tokenizer", "dtype", "num_tokens", "num_documents", "shards", "documents")
                if k not in manifest]
     if missing:
         raise PreparedDataError(f"{where}: {MANIFEST} lacks {missing}; prepare the folder again")
+    digest = "sha256" if manifest["format"] == READABLE_FORMATS[0] else "xxh3_128"
+    for entry in [*manifest["shards"], manifest["documents"]]:
+        if not (isinstance(entry, dict) and {"file", "bytes", digest} <= entry.keys()):
+            raise PreparedDataError(f"{where}: {MANIFEST} has a file entry without file, bytes and {digest} "
+                                    f"({str(entry)[:80]}); prepare the folder again")
     return manifest
 
 
@@ -141,25 +149,31 @@ def open_checked(folder: str, setting: str = "data.path", identity: dict | None 
     return manifest
 
 
-def verify_checksums(folder: str, setting: str = "folder") -> list[str]:
-    """Hash every file and compare with the manifest (reads the whole set).
+def verify_checksums(folder: str, setting: str = "folder", *, use_cache: bool = False) -> int:
+    """Compare every file with the digest its manifest records (engine/data/checksums.py).
+
+    Args:
+        use_cache: trust files recorded as verified in their current version (what a run does);
+            False hashes the whole set (``prepare_data.py --verify``).
 
     Returns:
-        the file names whose sha256 differs (empty when all match).
+        how many files were hashed.
 
     Raises:
-        PreparedDataError: as ``open_checked``.
+        PreparedDataError: as ``open_checked``, or naming the first file that does not match.
     """
+    from engine.data.checksums import verify_files
+
     manifest = open_checked(folder, setting)
-    return [entry["file"] for entry in [*manifest["shards"], manifest["documents"]]
-            if file_sha256(os.path.join(os.path.expanduser(folder), entry["file"])) != entry["sha256"]]
+    return verify_files(folder, manifest, f"{setting}={folder!r}", use_cache=use_cache)
 
 
 def content_id(manifest: dict) -> str:
     """A short id of a prepared set's content (its files' checksums), stored in the loader state so
-    that a resume on other data is told apart."""
-    text = json.dumps([[e["file"], e["sha256"]] for e in [*manifest["shards"], manifest["documents"]]])
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    that a resume on other data is told apart (v1 sets keep the id they had)."""
+    digests = [[e["file"], e["sha256"] if "sha256" in e else f"xxh3_128:{e['xxh3_128']}"]
+               for e in [*manifest["shards"], manifest["documents"]]]
+    return hashlib.sha256(json.dumps(digests).encode()).hexdigest()[:16]
 
 
 def parse_mixture(entries: list[str], setting: str = "data.mixture") -> list[tuple[str, float]]:

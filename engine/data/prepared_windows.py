@@ -7,8 +7,9 @@ documents and tokenizer), so window w is ``stream[w*S : w*S + S + 1]`` exactly a
 without shuffle the windows equal the raw-file path's. With shuffle, epoch e visits window
 ``perm_e(i)`` at its i-th position (engine/data/order.py's ``WindowPermutation``, O(1) per index),
 which differs from the raw path's ``torch.randperm``. Opening costs O(shards): read the manifest,
-compare file sizes, memory-map the shards (no token is read; resident memory grows only with the
-pages the windows touch).
+compare file sizes and the verification record of the checksums (engine/data/checksums.py; the
+first open of a file version hashes it), memory-map the shards (no token is read; resident memory
+grows only with the pages the windows touch).
 
 ``MixtureWindows`` interleaves several prepared sets by global position (engine/data/order.py's
 ``MixtureSchedule``); each set keeps its own position, epochs and shuffle.
@@ -24,11 +25,22 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from engine.data.checksums import verify_files
 from engine.data.order import MixtureSchedule, WindowPermutation
 from engine.data.prepared import (PreparedDataError, content_id, is_prepared, open_checked, parse_mixture,
                                   tokenizer_identity)
 
 logger = logging.getLogger("quadra.data")
+RAW_DATA = "raw files or a hub dataset"  # what a loader state without a ``data`` entry was saved reading
+
+
+def describe_data(identity: str) -> str:
+    """A loader state's ``data`` entry (a source's ``identity``, or RAW_DATA) in words."""
+    if identity.startswith("prepared:"):
+        return f"a prepared set (content {identity.split(':', 1)[1]})"
+    if identity.startswith("mixture:"):
+        return f"a data.mixture of {identity.count('prepared:')} prepared set(s)"
+    return identity
 
 
 def _open_shards(folder: str, manifest: dict, where: str) -> list[np.ndarray]:
@@ -58,13 +70,15 @@ class PreparedWindows:
         setting: the config key for messages.
 
     Raises:
-        PreparedDataError: missing/mis-sized/unreadable files, another tokenizer, fewer than S + 1 tokens.
+        PreparedDataError: missing/mis-sized/corrupted/unreadable files, another tokenizer, fewer than
+            S + 1 tokens.
     """
 
     def __init__(self, folder: str, tokenizer, *, seq_len: int, shuffle: bool, seed: int, infinite: bool,
                  stream: int = 0, setting: str = "data.path", identity: dict | None = None):
         where = f"{setting}={folder!r}"
         self.manifest = open_checked(folder, setting, identity or tokenizer_identity(tokenizer))
+        verify_files(folder, self.manifest, where)  # hashed once per file version, then trusted
         self.shards = _open_shards(folder, self.manifest, where)
         self._starts = np.cumsum([0] + [len(s) for s in self.shards])
         self.num_tokens = int(self._starts[-1])

@@ -117,6 +117,7 @@ def load_documents(
     streaming: bool = False,
     setting: str = "data.path",
     column_setting: str = "data.text_column",
+    num_proc: int = 1,
 ) -> datasets.Dataset | datasets.IterableDataset:
     """Open a document collection and check that it has rows and the text column.
 
@@ -126,6 +127,9 @@ def load_documents(
         split: split name, used for hub datasets only (local files form one split).
         streaming: return an `IterableDataset` that reads lazily instead of a prepared `Dataset`.
         setting, column_setting: config keys named in error messages.
+        num_proc: processes that download and convert a map-style dataset into datasets' Arrow
+            cache (``load_dataset(num_proc=...)``; local files: at most one per file, the order of
+            the rows stays that of the files). The conversion of a corpus is otherwise one process.
 
     Returns:
         a map-style `datasets.Dataset` or, with streaming, a `datasets.IterableDataset`.
@@ -141,6 +145,8 @@ def load_documents(
         kwargs = {"sample_by": "document"} if builder == "text" else {}
         if all(os.path.getsize(f) == 0 for f in files):
             raise ValueError(f"{setting}={path!r} is empty (0 bytes); point it at data with documents")
+        if num_proc > 1 and not streaming and len(files) > 1:  # datasets splits the work by file
+            kwargs["num_proc"] = min(num_proc, len(files))
         try:
             with _no_download_counting():
                 ds = datasets.load_dataset(
@@ -157,7 +163,8 @@ def load_documents(
             ) from err
     else:
         try:
-            ds = datasets.load_dataset(path, split=split, streaming=streaming)
+            parallel = {"num_proc": num_proc} if num_proc > 1 and not streaming else {}
+            ds = datasets.load_dataset(path, split=split, streaming=streaming, **parallel)
         except Exception as err:
             raise ValueError(
                 f"{setting}={path!r} is not a local file or folder, so it was loaded as a Hugging "
@@ -191,11 +198,16 @@ def iter_text_batches(
     row = 0
     for batch in ds.select_columns([text_column]).iter(batch_size=batch_size):
         texts = batch[text_column]
-        for i, text in enumerate(texts):
-            if not isinstance(text, str):
-                raise ValueError(
-                    f"{column_setting}={text_column!r}: row {row + i} holds {type(text).__name__}, "
-                    "not a string; clean the data or choose another column"
-                )
+        check_texts(texts, row, text_column, column_setting)
         row += len(texts)
         yield list(texts)
+
+
+def check_texts(texts: list, first_row: int, text_column: str, column_setting: str = "data.text_column") -> None:
+    """Raise ValueError naming the first row (counted from ``first_row``) whose text is not a string."""
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise ValueError(
+                f"{column_setting}={text_column!r}: row {first_row + i} holds {type(text).__name__}, "
+                "not a string; clean the data or choose another column"
+            )

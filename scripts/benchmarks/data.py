@@ -9,6 +9,9 @@ takes the first batch; it reports that time, the resident memory it added (VmRSS
 loader's tokens/s over the next batches (read-ahead on). Samples of the sizes and positions are
 interleaved by round; medians are reported. The page cache is warm (the corpus was just written):
 a cold first batch adds the latency of reading the few pages of one batch.
+
+The optional ``data_prepare`` case times ``prepare`` (scripts/prepare_data.py) of the bundled corpus
+repeated into one jsonl, with 1 and 2 tokenizer processes side by side (``measure_prepare``).
 """
 
 from __future__ import annotations
@@ -54,6 +57,19 @@ def write_synthetic(folder: str, n_tokens: int, chunk: int = 10_000_000) -> floa
     return time.perf_counter() - started
 
 
+def verify_once(folder: str) -> dict:
+    """Hash every file of a prepared folder as a run's first start does (engine/data/checksums.py),
+    whatever its record says: {"seconds", "bytes", "gb_per_s"} (the record is written too)."""
+    from engine.data.prepared import read_manifest, verify_checksums
+
+    manifest = read_manifest(folder)
+    size = sum(entry["bytes"] for entry in [*manifest["shards"], manifest["documents"]])
+    started = time.perf_counter()
+    verify_checksums(folder, use_cache=False)
+    seconds = time.perf_counter() - started
+    return {"seconds": seconds, "bytes": size, "gb_per_s": size / 1e9 / seconds}
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -92,8 +108,36 @@ def measure(spec: dict) -> dict:
     return {"first_batch_s": first, "rss_added_bytes": added, "loader_tokens_per_s": rate}
 
 
+def repeated_corpus(path: str, repeats: int) -> str:
+    """The bundled train.jsonl written ``repeats`` times into one jsonl (1.46M tokens each time)."""
+    with open(RAW_CORPUS, "rb") as src:
+        text = src.read()
+    with open(path, "wb") as out:
+        for _ in range(repeats):
+            out.write(text)
+    return path
+
+
+def measure_prepare(spec: dict) -> dict:
+    """In a fresh process (with its own, empty datasets cache): engine/data/prepare.py's ``prepare``
+    of ``spec["input"]`` with ``spec["num_proc"]`` processes, Arrow conversion of the input included.
+    Returns its seconds, tokens/s, and the CPU seconds of this process and of its worker processes."""
+    import resource
+    import shutil
+
+    from engine.data.prepare import prepare
+
+    started = time.perf_counter()
+    manifest = prepare(spec["input"], spec["output"], TOKENIZER, num_proc=spec["num_proc"], log=lambda line: None)
+    seconds = time.perf_counter() - started
+    shutil.rmtree(spec["output"])
+    me, workers = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {"seconds": seconds, "tokens_per_s": manifest["num_tokens"] / seconds,
+            "cpu_main_s": me.ru_utime + me.ru_stime, "cpu_workers_s": workers.ru_utime + workers.ru_stime}
+
+
 def measure_in_fresh_process(spec: dict) -> dict:
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", **spec.get("env", {})}
     out = subprocess.run([sys.executable, "-m", "scripts.benchmarks.data", json.dumps(spec)], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
@@ -102,4 +146,5 @@ def measure_in_fresh_process(spec: dict) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(measure(json.loads(sys.argv[1]))))
+    _spec = json.loads(sys.argv[1])
+    print(json.dumps(measure_prepare(_spec) if _spec.get("kind") == "prepare" else measure(_spec)))
