@@ -168,7 +168,7 @@ def test_hf_to_quadra_to_hf_is_bitwise(saved, hf_name):
     assert not unequal, unequal[:3]
 
 
-@pytest.mark.parametrize("hf_name", ["qwen3_tied", "qwen3_moe_unnormalized"])
+@pytest.mark.parametrize("hf_name", list(HF_MODELS))
 def test_exported_config_and_weights_reload_in_transformers(saved, tmp_path, hf_name):
     """Quadra -> config.json + safetensors -> transformers' AutoModelForCausalLM: Quadra's logits."""
     from safetensors.torch import save_file
