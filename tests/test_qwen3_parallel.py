@@ -29,10 +29,17 @@ LAYOUTS = {
         2, {**DENSE, "parallelism.tp": 2, "parallelism.dp_shard": 1, "parallelism.sequence_parallel": "false"}),
     "qwen3_pp2": (2, {**DENSE, "parallelism.pp": 2, "parallelism.dp_shard": 1}),
     "qwen3_cp2": (2, {**DENSE, "parallelism.cp": 2, "parallelism.dp_shard": 1}),
+    "qwen3_ddp2": (2, {**DENSE, "parallelism.dp_replicate": 2, "parallelism.dp_shard": 1,
+                       "training.local_batch_size": 4}),
+    # FSDP over tp: the QK-norm weights, Replicate on tp, are sharded once more over dp_shard.
+    "qwen3_fsdp2_x_tp2": (4, {**DENSE, "parallelism.dp_shard": 2, "parallelism.tp": 2,
+                              "training.local_batch_size": 4}),
     "qwen3_moe_ep2": (2, {**MOE, "parallelism.dp_shard": 2, "parallelism.ep": 2, "training.local_batch_size": 4}),
     "qwen3_moe_tp2": (2, {**MOE, "parallelism.tp": 2, "parallelism.dp_shard": 1}),
     "qwen3_moe_pp2": (2, {**MOE, "parallelism.pp": 2, "parallelism.dp_shard": 1}),
     "qwen3_moe_cp2": (2, {**MOE, "parallelism.cp": 2, "parallelism.dp_shard": 1}),
+    "qwen3_moe_ep2_x_tp2": (4, {**MOE, "parallelism.dp_shard": 2, "parallelism.ep": 2, "parallelism.tp": 2,
+                                "training.local_batch_size": 4}),
 }
 
 
