@@ -15,10 +15,50 @@ transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (a dev dependency: pip install -e '.[dev]')")
 
 import models  # noqa: E402,F401  (registers the families)
-from models.qwen3.hf_config import args_from_hf_config, hf_config_from_args  # noqa: E402
-from models.qwen3.hf_weights import to_hf_state_dict, to_quadra_state_dict, weight_rules  # noqa: E402
-from models.qwen3.shapes import flops_per_token, param_shapes  # noqa: E402
 from models.registry import get_model_args, get_model_spec, load_ref  # noqa: E402
+
+
+# The family's adapters and planner view, through its ModelSpec (as engine/checkpoint/hf.py and
+# engine/planner/ reach them).
+def _adapter(name: str):
+    return get_model_spec(name).get("hf_adapter")
+
+
+def args_from_hf_config(config: dict, name: str | None = None):
+    """(model.name, args) of a config.json, read by the adapter of ``name`` (default: its model_type)."""
+    name = name or config["model_type"]
+    return name, _adapter(name).args_from_config(config, "config.json")
+
+
+def hf_config_from_args(name: str, args, **kwargs) -> dict:
+    return _adapter(name).config_from_args(args, **kwargs)
+
+
+def weight_rules(name: str, args):
+    return _adapter(name).weight_rules(args)
+
+
+def to_quadra_state_dict(name: str, args, hf_state: dict) -> dict:
+    return {rule.quadra: rule.to_quadra([hf_state[key] for key in rule.hf]) for rule in weight_rules(name, args)}
+
+
+def to_hf_state_dict(name: str, args, state: dict) -> dict:
+    """As transformers' files store it: no ``lm_head.weight`` when tied."""
+    out = {}
+    for rule in weight_rules(name, args):
+        if not (args.tie_embeddings and rule.quadra == "output.weight"):
+            out.update(zip(rule.hf, rule.to_hf(state[rule.quadra])))
+    return out
+
+
+def param_shapes(args):
+    name = "qwen3_moe" if hasattr(args, "num_experts") else "qwen3"
+    return get_model_spec(name).get("param_shapes")(args)
+
+
+def flops_per_token(args, seq_len: int):
+    name = "qwen3_moe" if hasattr(args, "num_experts") else "qwen3"
+    return get_model_spec(name).get("flops_per_token")(args, seq_len)
 
 # The published config.json values of the Qwen/Qwen3-* releases (Hugging Face Hub), the fields
 # that decide the parameters; all share vocab 151936, head_dim 128, theta 1e6, eps 1e-6.
@@ -211,7 +251,7 @@ def test_unsupported_configs_are_refused_naming_the_field(saved, change, fragmen
     if config["num_hidden_layers"] is None:
         del config["num_hidden_layers"]
     with pytest.raises(ValueError, match="^config.json: ") as error:
-        args_from_hf_config(config)
+        args_from_hf_config(config, "qwen3_moe")
     assert fragment in str(error.value) and "\n" not in str(error.value)
 
 
@@ -237,7 +277,7 @@ def test_models_without_a_qwen3_layout_are_refused():
 def test_planner_shapes_and_flops_equal_the_model(name, flavor):
     args = get_model_args(name, flavor)
     model = _meta_model(name, args)
-    assert [(s["name"], s["shape"]) for s in param_shapes(args)] == \
+    assert [(s.name, s.shape) for s in param_shapes(args)] == \
         [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     assert flops_per_token(args, 4096) == args.get_nparams_and_flops(model, 4096)[1]
 
