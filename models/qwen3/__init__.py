@@ -4,7 +4,8 @@ Everything about the family is here: arguments and flavors (args.py, flavors.py)
 (checks.py), the Hugging Face adapters (hf.py: config.json <-> arguments, weight names and the
 q/k/QK-norm permutations of models/hf.py), and the planner's parameter shapes, FLOPs per token,
 feed-forward width and expert routing (planning.py). The modules and parallelize plans are
-LLaMA's and the MoE model's, which take QK-norm and a free head width as options (models/llama/args.py ``qk_norm``, ``head_size``).
+LLaMA's and the MoE model's, which take QK-norm and a free head width as options
+(models/llama/args.py ``qk_norm``, ``head_size``).
 """
 
 from models.qwen3.args import Qwen3ModelArgs, Qwen3MoEModelArgs
