@@ -311,3 +311,12 @@ def test_start_up_checks_name_setting_value_and_fix():
                                     device_type="cpu", compile_enabled=True)
     cfg.tp = 4
     moe.validate_parallelism_fn(get_model_args("qwen3_moe", "debugmodel_tiny"), cfg, **kwargs)
+
+
+@pytest.mark.parametrize("name, flavor", [("llama", "debugmodel_tiny"), ("moe", "debugmodel_mixtral_tiny")])
+def test_llama_and_mixtral_exports_refuse_qk_norm(name, flavor):
+    """Hugging Face's Llama / Mixtral would load such a model silently without its QK-norm weights."""
+    args = get_model_args(name, flavor)
+    args.qk_norm = True
+    with pytest.raises(ValueError, match="qk_norm = True; Hugging Face's .* has no QK-norm"):
+        _adapter(name).config_from_args(args, dtype="float32", bos_id=None, eos_id=None)
