@@ -9,9 +9,10 @@ from models.registry import (
     register_model_spec,
 )
 
-# Imported for their side effect: register the "llama" and "moe" specs.
+# Imported for their side effect: register the "llama", "moe", "qwen3" and "qwen3_moe" specs.
 from models import llama  # noqa: E402,F401
 from models import moe  # noqa: E402,F401
+from models import qwen3  # noqa: E402,F401
 
 __all__ = [
     "ModelArgs",

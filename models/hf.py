@@ -141,14 +141,15 @@ def one(tensor):
 
 
 def rotate_half_to_pairs(tensors, heads: int):
-    """[heads*hd, dim] in HF's (i, i + hd/2) order -> Meta's interleaved (2i, 2i+1) order, per head."""
+    """[heads*hd, ...] in HF's (i, i + hd/2) order -> Meta's interleaved (2i, 2i+1) order, per head
+    (a q/k projection [heads*hd, dim], or a QK-norm weight [hd] with heads = 1)."""
     w = tensors[0]
-    return w.view(heads, 2, w.shape[0] // heads // 2, w.shape[1]).transpose(1, 2).reshape(w.shape)
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def pairs_to_rotate_half(w, heads: int):
     """The inverse of :func:`rotate_half_to_pairs`, as a one-tensor list."""
-    return [w.view(heads, w.shape[0] // heads // 2, 2, w.shape[1]).transpose(1, 2).reshape(w.shape)]
+    return [w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)]
 
 
 def embedding_rule() -> Rule:
@@ -156,17 +157,26 @@ def embedding_rule() -> Rule:
     return Rule("tok_embeddings.weight", ("model.embed_tokens.weight",), same, one)
 
 
+def _permuted(quadra: str, hf: str, heads: int) -> Rule:
+    return Rule(quadra, (hf,), partial(rotate_half_to_pairs, heads=heads), partial(pairs_to_rotate_half, heads=heads))
+
+
 def attention_rules(args, layer: int) -> list[Rule]:
-    """wq/wk (permuted per head, see the module docstring), wv, wo of block ``layer``."""
+    """wq/wk (permuted per head, see the module docstring), wv, wo of block ``layer``, and with
+    ``args.qk_norm`` the QK-norm weights [head_dim] (``q_norm``/``k_norm``, Qwen3's names), permuted
+    as one head: RMSNorm's mean of squares ignores the channel order, so normalizing permuted
+    channels with the permuted weight gives the permuted result, which RoPE then rotates alike."""
     hf, q = f"model.layers.{layer}.self_attn.", f"layers.{layer}.attention."
-    return [
-        Rule(q + "wq.weight", (hf + "q_proj.weight",),
-             partial(rotate_half_to_pairs, heads=args.n_heads), partial(pairs_to_rotate_half, heads=args.n_heads)),
-        Rule(q + "wk.weight", (hf + "k_proj.weight",),
-             partial(rotate_half_to_pairs, heads=args.kv_heads), partial(pairs_to_rotate_half, heads=args.kv_heads)),
+    rules = [
+        _permuted(q + "wq.weight", hf + "q_proj.weight", args.n_heads),
+        _permuted(q + "wk.weight", hf + "k_proj.weight", args.kv_heads),
         Rule(q + "wv.weight", (hf + "v_proj.weight",), same, one),
         Rule(q + "wo.weight", (hf + "o_proj.weight",), same, one),
     ]
+    if getattr(args, "qk_norm", False):
+        rules += [_permuted(q + "q_norm.weight", hf + "q_norm.weight", 1),
+                  _permuted(q + "k_norm.weight", hf + "k_norm.weight", 1)]
+    return rules
 
 
 def norm_rules(layer: int) -> list[Rule]:

@@ -7,7 +7,8 @@
     python scripts/convert_checkpoint.py from-torch model.pt weights_dcp
     ./run_train.sh --checkpoint.initial_load_path weights_dcp
 
-    # Hugging Face folder (config.json + *.safetensors; Llama-2/3/3.1/3.2, Mixtral) -> DCP + model arguments
+    # Hugging Face folder (config.json + *.safetensors; Llama-2/3/3.1/3.2, Mixtral, Qwen3, Qwen3-MoE)
+    # -> DCP + model arguments
     python scripts/convert_checkpoint.py from-hf path/to/Llama-3.2-1B outputs/llama32/seed
     ./run_train.sh --checkpoint.initial_load_path outputs/llama32/seed --model.args_path outputs/llama32/seed \
         --model.tokenizer_path outputs/llama32/seed/tokenizer.json
@@ -48,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     from_torch.add_argument("input", help="a .pt file holding {name: tensor}")
     from_torch.add_argument("checkpoint_dir", help="the folder to create (must not exist)")
     from_hf = sub.add_parser("from-hf", help="Hugging Face model folder -> model-only DCP checkpoint folder")
-    from_hf.add_argument("hf_dir", help="a folder with config.json and model*.safetensors (Llama family, Mixtral)")
+    from_hf.add_argument("hf_dir", help="a folder with config.json and model*.safetensors (Llama family, "
+                                        "Mixtral, Qwen3, Qwen3-MoE)")
     from_hf.add_argument("checkpoint_dir", help="the folder to create (must not exist)")
     to_hf = sub.add_parser("to-hf", help="DCP checkpoint folder -> Hugging Face model folder (safetensors)")
     to_hf.add_argument("checkpoint_dir", help="a checkpoint folder, e.g. outputs/run/checkpoint/step-100")

@@ -28,8 +28,10 @@ class _Parser(argparse.ArgumentParser):
 
 def _args(argv):
     p = _Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="llama", help="registered model name (llama, moe)")
-    p.add_argument("--flavor", required=True, help="model flavor, e.g. 8B, 70B, 405B, 16B")
+    from models import list_model_names  # torch-free
+
+    p.add_argument("--model", default="llama", help=f"registered model name ({', '.join(list_model_names())})")
+    p.add_argument("--flavor", required=True, help="model flavor, e.g. 8B, 70B, 405B, 16B, 30B-A3B")
     p.add_argument("--gpus", type=int, required=True, help="world size (GPUs)")
     p.add_argument("--gpus_per_node", type=int, default=8, help="GPUs per node (TP stays inside one)")
     p.add_argument("--gpu", default="H100-80GB", help="hardware table entry: A100-40GB, A100-80GB, H100-80GB, "

@@ -2,7 +2,8 @@
 
 Quadra's forward on converted weights equals transformers' logits (fp32, 1e-5); an export reloads
 with ``AutoModelForCausalLM`` to the same logits; HF -> DCP -> HF is bitwise; llama3 RoPE scaling
-equals transformers'; a converted checkpoint trains under FSDP 2 and TP 2 from its first step.
+equals transformers'; a converted checkpoint trains under FSDP 2 and TP 2 from its first step. For
+Llama, Mixtral, Qwen3 and Qwen3-MoE.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ MODELS = {
     "llama_tied_scaled": ("llama", dict(rope_theta=500000.0, tie_word_embeddings=True, rope_scaling=LLAMA3_SCALING),
                           torch.float32),
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02), torch.float32),
+    # Qwen3 (0.6B shape: tied, QK-norm, heads of 32 on a width of 64 with 4 heads) and Qwen3-MoE.
+    "qwen3_tied": ("qwen3", dict(head_dim=32, rope_theta=1000000.0, tie_word_embeddings=True), torch.bfloat16),
+    "qwen3_moe": ("qwen3_moe", dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                    norm_topk_prob=True, router_aux_loss_coef=0.001), torch.float32),
 }
 
 
@@ -43,9 +48,15 @@ def _hf_model(kind: str, extra: dict, seed: int):
     if kind == "llama":
         config = transformers.LlamaConfig(intermediate_size=160, **common, **extra)
         model_cls = transformers.LlamaForCausalLM
-    else:
+    elif kind == "mixtral":
         config = transformers.MixtralConfig(intermediate_size=96, **common, **extra)
         model_cls = transformers.MixtralForCausalLM
+    elif kind == "qwen3":
+        config = transformers.Qwen3Config(intermediate_size=160, **common, **extra)
+        model_cls = transformers.Qwen3ForCausalLM
+    else:
+        config = transformers.Qwen3MoeConfig(intermediate_size=160, **common, **extra)
+        model_cls = transformers.Qwen3MoeForCausalLM
     torch.manual_seed(seed)
     model = model_cls(config)
     with torch.no_grad():  # random norms too, so that swapped norm weights would show
@@ -115,7 +126,9 @@ def test_llama3_rope_frequencies_equal_transformers():
 def test_from_hf_forward_equals_transformers(converted, name):
     hf_dir, dcp_dir, hf_model = converted[name]
     record = files.read_marker(dcp_dir)["model"]
-    assert record["name"] == ("moe" if name == "mixtral" else "llama")
+    assert record["name"] == {"mixtral": "moe", "llama": "llama"}.get(MODELS[name][0], MODELS[name][0])
+    if MODELS[name][0].startswith("qwen3"):  # a head width apart from dim / n_heads, QK-norm
+        assert record["args"]["head_size"] == 32 and record["args"]["qk_norm"]
     if name == "llama_tied_scaled":
         assert record["args"]["tie_embeddings"] and record["args"]["rope_scaling"] == "llama3"
     tokens = _tokens()
@@ -242,7 +255,7 @@ def _train_from_converted(folder: str, dcp_dir: str, tokenizer: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama_tied_scaled", "mixtral"])
+@pytest.mark.parametrize("name", ["llama_tied_scaled", "mixtral", "qwen3_tied", "qwen3_moe"])
 def test_converted_checkpoint_trains_under_fsdp_and_tp_and_exports(converted, hf_tokenizer, tmp_path, name):
     """Step 1 of both layouts has the loss transformers computes on the same batch (so training starts
     from the converted weights); both layouts agree over 3 steps; the trained checkpoint exports to

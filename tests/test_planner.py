@@ -28,6 +28,17 @@ REAL_PLAN_LAYOUTS = {
     "moe_ep2_fsdp6": (6, {"model.name": "moe", "parallelism.dp_shard": 6, "parallelism.ep": 2}),
     "moe_ep2_cp2_tp2": (8, {"model.name": "moe", "parallelism.dp_shard": 2, "parallelism.cp": 2,
                             "parallelism.ep": 2, "parallelism.tp": 2}),
+    # Qwen3: head_dim apart from dim / n_heads, QK-norm weights replicated on tp with and without
+    # sequence parallel; the published 8B and 30B-A3B (meta device, every rank).
+    "qwen3_tp2_fsdp3_uneven": (6, {"model.name": "qwen3", "parallelism.tp": 2, "parallelism.dp_shard": 3}),
+    "qwen3_tp2_nosp_fsdp2": (4, {"model.name": "qwen3", "parallelism.tp": 2, "parallelism.dp_shard": 2,
+                                 "parallelism.sequence_parallel": "false"}),
+    "qwen3_moe_ep2_tp2_fsdp2": (4, {"model.name": "qwen3_moe", "parallelism.dp_shard": 2, "parallelism.ep": 2,
+                                    "parallelism.tp": 2}),
+    "qwen3_8B_tp2_fsdp4": (8, {"model.name": "qwen3", "model.flavor": "8B", "parallelism.tp": 2,
+                               "parallelism.dp_shard": 4}),
+    "qwen3_moe_30B_A3B_ep8": (8, {"model.name": "qwen3_moe", "model.flavor": "30B-A3B", "parallelism.dp_shard": 8,
+                                  "parallelism.ep": 8}),
 }
 
 
@@ -134,7 +145,7 @@ def test_presets_fit_their_gpus(preset):
     assert est.fits, (preset, est.memory.as_dict())
 
 
-@pytest.mark.parametrize("model", ["llama", "moe"])
+@pytest.mark.parametrize("model", ["llama", "moe", "qwen3", "qwen3_moe"])
 def test_flops_per_token_equal_the_models_accounting(model):
     """The planner's torch-free 6N + attention (active experts only) equals the models' own
     ``get_nparams_and_flops`` on the built meta model, which MFU in training uses."""

@@ -49,6 +49,10 @@ LAYOUTS = {
     "fsdp3_uneven": (3, {"parallelism.dp_shard": 3, "training.local_batch_size": 1, "training.global_batch_size": 6}),
     "hsdp2x2_accum2": (4, {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 2, "training.local_batch_size": 1}),
     "tp2_fsdp2_sp": (4, {"parallelism.tp": 2, "parallelism.dp_shard": 2, "training.local_batch_size": 4}),
+    # Qwen3: attention twice as wide as dim (8 heads of 16 on 64), QK-norm
+    "single_qwen3_ac_none": (1, {"model.name": "qwen3"}),
+    "qwen3_tp2_sp": (2, {"model.name": "qwen3", "parallelism.dp_shard": 1, "parallelism.tp": 2,
+                         "training.local_batch_size": 4}),
 }
 EP_LAYOUTS = {"moe_ep2_fsdp2"}  # all-to-all bytes per rank follow the routing: compare the rank mean
 

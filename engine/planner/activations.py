@@ -5,9 +5,11 @@ Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
 2205.05198, §4.1 and Table 2) count them for GPT, redone for this LLaMA block: RMSNorm inputs, the
 attention inputs q, k, v (k, v repeated to every query head), the attention output and log-sum-exp
 (fused attention keeps no s×s scores), and the SwiGLU tensors w1·x, silu(w1·x), w3·x and their product.
-With b sequences of s tokens (s = seq_len / cp), width h, SwiGLU width f, n_heads a, on t = tp ranks:
+With b sequences of s tokens (s = seq_len / cp), width h, attention width d = n_heads·head_dim
+(h for LLaMA; wider when head_dim is set apart from h / n_heads), SwiGLU width f, n_heads a, on
+t = tp ranks:
 
-    per block (no AC)  =  T·h·(2/t' + 2 + 5/t)·B  +  4·T·f/t·B  +  T·a/t·4       (T = b·s tokens)
+    per block (no AC)  =  T·h·(2/t' + 2)·B + 5·T·d/t·B  +  4·T·f/t·B  +  T·a/t·4   (T = b·s tokens)
                           norm inputs, inputs of wq.. and w1.. (all-gathered under SP),
                           q, k, v (repeated), attention output and its copy for wo; SwiGLU; lse
 
@@ -45,24 +47,25 @@ def block_activation_bytes(layout, ac: str) -> int:
     T, h, t = _tokens(layout), a.dim, layout.tp
     f = layout.model_spec.get("ffn_width")(a)  # MoE: top_k routed copies of each token + shared experts
     kv = a.kv_heads * a.head_dim
+    d = a.n_heads * a.head_dim  # attention width: q and the attention output
     bb = layout.param_bytes
     tsp = t if layout.sequence_parallel else 1
     lse = T * (a.n_heads // t) * 4
     if ac == "full":
         return T * h // tsp * bb
     if ac == "op":  # the outputs of the saved ops, and the block input the checkpoint keeps
-        return T * (h // tsp + h // t + 2 * kv // t + h // t + 2 * h) * bb + lse + 2 * T * f // t * bb
+        return T * (h // tsp + d // t + 2 * kv // t + d // t + 2 * h) * bb + lse + 2 * T * f // t * bb
     # none: two norm inputs, the (gathered) inputs of wq/wk/wv and w1/w3, q and k, v repeated to every
-    # query head, the attention output and its [T, h] copy for wo, SwiGLU's four f-wide tensors
-    return T * (2 * h // tsp + 2 * h + 3 * h // t + 2 * h // t) * bb + lse + 4 * T * f // t * bb
+    # query head, the attention output and its [T, d] copy for wo, SwiGLU's four f-wide tensors
+    return T * (2 * h // tsp + 2 * h + 3 * d // t + 2 * d // t) * bb + lse + 4 * T * f // t * bb
 
 
 def backward_temporary_bytes(layout) -> int:
-    """Gradients alive inside one block's backward: SwiGLU's four f-wide and attention's five h-wide
-    tensors (in the compute dtype)."""
+    """Gradients alive inside one block's backward: SwiGLU's four f-wide and attention's five
+    d-wide tensors (d = n_heads·head_dim; in the compute dtype)."""
     a = layout.model_args
     f = layout.model_spec.get("ffn_width")(a)
-    return _tokens(layout) * (4 * f + 5 * a.dim) // layout.tp * layout.param_bytes
+    return _tokens(layout) * (4 * f + 5 * a.n_heads * a.head_dim) // layout.tp * layout.param_bytes
 
 
 def head_peak_bytes(layout) -> int:

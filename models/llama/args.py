@@ -32,7 +32,7 @@ class LlamaModelArgs:
     Attributes:
         dim: model (residual stream) width.
         n_layers: number of transformer blocks.
-        n_heads: query heads; head_dim = dim // n_heads.
+        n_heads: query heads; head_dim = dim // n_heads unless ``head_size`` is set.
         n_kv_heads: key/value heads for grouped-query attention; None means n_heads (plain MHA).
         vocab_size: rows of the embedding and of the output projection (tokens).
         multiple_of: the SwiGLU hidden width is rounded up to a multiple of this.
@@ -51,6 +51,12 @@ class LlamaModelArgs:
         tie_embeddings: share one [vocab, dim] matrix between tok_embeddings and output.
         ffn_hidden_size: explicit SwiGLU hidden width (Hugging Face's `intermediate_size`); None
             computes it from multiple_of and ffn_dim_multiplier.
+        head_size: explicit width of one attention head (Hugging Face's ``head_dim``, e.g. Qwen3's
+            128 with hidden 1024 and 16 heads); None means dim // n_heads. q/k/v then have
+            n_heads * head_size (n_kv_heads * head_size) channels, and wo maps them back to dim.
+        qk_norm: RMSNorm (weight [head_dim], eps ``norm_eps``) on each head's queries and keys
+            before RoPE (Qwen3; Dehghani et al. 2023, "Scaling Vision Transformers to 22B
+            Parameters"); False for LLaMA.
         depth_init: True: output projections (wo, w2, w3) of block i get init std
             0.02 / sqrt(2 * (i + 1)); False: 0.02 / sqrt(2 * n_layers) for every block (TorchTitan).
     """
@@ -73,10 +79,14 @@ class LlamaModelArgs:
     tie_embeddings: bool = False
     ffn_hidden_size: int | None = None
     depth_init: bool = True
+    head_size: int | None = None
+    qk_norm: bool = False
 
     @property
     def head_dim(self) -> int:
-        """Width of one attention head (dim // n_heads)."""
+        """Width of one attention head: ``head_size`` when set, else dim // n_heads."""
+        if self.head_size is not None:
+            return self.head_size
         return self.dim // self.n_heads
 
     @property
@@ -115,7 +125,11 @@ class LlamaModelArgs:
             raise ValueError(
                 f"LlamaModelArgs.n_kv_heads={self.n_kv_heads!r} must be a positive integer or None"
             )
-        if self.dim % self.n_heads != 0:
+        if self.head_size is not None and (
+            not isinstance(self.head_size, int) or isinstance(self.head_size, bool) or self.head_size <= 0
+        ):
+            raise ValueError(f"LlamaModelArgs.head_size={self.head_size!r} must be a positive integer or None")
+        if self.head_size is None and self.dim % self.n_heads != 0:
             raise ValueError(
                 f"LlamaModelArgs.dim={self.dim} is not divisible by n_heads={self.n_heads}; "
                 f"choose n_heads dividing dim so that every head has dim // n_heads channels"
@@ -128,8 +142,8 @@ class LlamaModelArgs:
             )
         if self.head_dim % 2 != 0:
             raise ValueError(
-                f"LlamaModelArgs head_dim = dim // n_heads = {self.head_dim} is odd; RoPE rotates "
-                f"channel pairs, so choose dim and n_heads with an even head_dim"
+                f"LlamaModelArgs head_dim = {self.head_dim} is odd; RoPE rotates channel pairs, so "
+                f"choose dim and n_heads (or head_size) with an even head_dim"
             )
         if self.ffn_dim_multiplier is not None and not self.ffn_dim_multiplier > 0:
             raise ValueError(

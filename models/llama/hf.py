@@ -7,7 +7,7 @@ Weight names map one to one (models/hf.py: the q/k permutation of RoPE's pair or
 from __future__ import annotations
 
 from models.hf import (HFAdapter, HFConfigError, Rule, attention_rules, common_args, common_config,
-                       embedding_rule, head_rules, norm_rules, one, same)
+                       embedding_rule, head_rules, norm_rules, one, require, same)
 
 __all__ = ["LLAMA_HF_ADAPTER"]
 
@@ -34,6 +34,8 @@ def args_from_config(config: dict, where: str = "config.json"):
 
 def config_from_args(args, *, dtype: str, bos_id: int | None, eos_id: int | None) -> dict:
     """``config.json`` of a LLaMA model for ``transformers.LlamaForCausalLM``."""
+    require(not args.qk_norm, "model llama", "qk_norm = True; Hugging Face's Llama has no QK-norm (model.name = "
+            "\"qwen3\" exports it)")
     config = common_config(args, architecture="LlamaForCausalLM", model_type="llama", dtype=dtype,
                            bos_id=bos_id, eos_id=eos_id)
     config["mlp_bias"] = False

@@ -104,7 +104,9 @@ def _init_linear(linear: nn.Linear, std: float, seed: int, name: str) -> None:
 class Attention(nn.Module):
     """Causal grouped-query self-attention with RoPE.
 
-    Weights: wq [n_heads*head_dim, dim], wk/wv [n_kv_heads*head_dim, dim], wo [dim, n_heads*head_dim].
+    Weights: wq [n_heads*head_dim, dim], wk/wv [n_kv_heads*head_dim, dim], wo [dim, n_heads*head_dim];
+    with ``args.qk_norm`` also q_norm / k_norm [head_dim]: RMSNorm of each head's queries and keys
+    before RoPE (Qwen3). head_dim is ``args.head_dim`` (dim // n_heads unless ``head_size`` is set).
     """
 
     def __init__(self, args: LlamaModelArgs):
@@ -114,6 +116,11 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        # Absent (not None-valued attributes of a module) for LLaMA, so its parameter names stay.
+        if args.qk_norm:
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps)
+        self.qk_norm = args.qk_norm
         # (q, k, v) -> out on [B, H, S, head_dim]; None is causal SDPA over the local sequence.
         # Context parallel binds a function that attends over the whole cp-split sequence.
         self.attention_fn = None
@@ -138,6 +145,8 @@ class Attention(nn.Module):
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        if self.qk_norm:  # over each head's head_dim channels, before the rotation (Qwen3)
+            xq, xk = self.q_norm(xq), self.k_norm(xk)
         xq, xk = apply_rope(xq, cos, sin), apply_rope(xk, cos, sin)
         n_rep = xq.shape[2] // xk.shape[2]
         if n_rep > 1:
@@ -153,10 +162,13 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
     def init_weights(self, init_std: float, seed: int, prefix: str) -> None:
-        """wq/wk/wv ~ trunc_normal(0.02); wo ~ trunc_normal(init_std) (TorchTitan's scheme)."""
+        """wq/wk/wv ~ trunc_normal(0.02); wo ~ trunc_normal(init_std) (TorchTitan's scheme); QK norms = 1."""
         for name in ("wq", "wk", "wv"):
             _init_linear(getattr(self, name), 0.02, seed, f"{prefix}.{name}")
         _init_linear(self.wo, init_std, seed, f"{prefix}.wo")
+        if self.qk_norm:
+            self.q_norm.reset_parameters()
+            self.k_norm.reset_parameters()
 
 
 class FeedForward(nn.Module):

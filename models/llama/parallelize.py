@@ -29,6 +29,7 @@ from parallelisms.context_parallel import ContextParallel, apply_cp
 from parallelisms.data_parallel import apply_ddp, apply_fsdp, reshard_setting
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import (
+    ReplicateOnTP,
     VocabParallelEmbedding,
     apply_tensor_parallel,
     enable_async_tp,
@@ -149,11 +150,14 @@ def apply_tp_llama(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: 
         and model.output is not None
         and model.output.weight is model.tok_embeddings.weight
     )
+    qk_norm = any(getattr(block.attention, "qk_norm", False) for block in model.layers.values())
     plan = {}
     if model.tok_embeddings is not None:
         plan["tok_embeddings"] = VocabParallelEmbedding(output_layouts=stream)
     if model.norm is not None and sequence_parallel:
         plan["norm"] = SequenceParallel()
+    elif model.norm is not None and qk_norm:
+        plan["norm"] = ReplicateOnTP()  # see _block_plan: one kind of tensor among the norm weights
     if model.output is not None:
         plan["output"] = ColwiseParallel(
             input_layouts=stream,
@@ -165,15 +169,27 @@ def apply_tp_llama(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: 
         # parallelize_module distributes each module's weight separately; share the one DTensor.
         model.output.weight = model.tok_embeddings.weight
     for block in model.layers.values():
-        plan = _block_plan(sequence_parallel)
+        plan = _block_plan(sequence_parallel, qk_norm=qk_norm)
         if not isinstance(block.feed_forward, FeedForward):
             # Another feed-forward (e.g. an MoE layer): its model family's plan shards it.
             plan = {name: style for name, style in plan.items() if not name.startswith("feed_forward")}
         apply_tensor_parallel(block, tp_mesh, plan)
 
 
-def _block_plan(sequence_parallel: bool) -> dict:
-    """The per-block TP plan (module names relative to a ``TransformerBlock``)."""
+def _block_plan(sequence_parallel: bool, qk_norm: bool = False) -> dict:
+    """The per-block TP plan (module names relative to a ``TransformerBlock``).
+
+    With ``qk_norm`` (Qwen3's RMSNorm of each head's queries and keys, weight [head_dim]): each tp
+    rank normalizes its own heads, so the weight is a replicated DTensor and its input the local
+    heads, a ``Shard(2)`` of [B, S, heads, head_dim] (torch's ``SequenceParallel`` on dim 2, which
+    hands back the local tensor). The weight's gradient is then a sum over all heads: each rank's
+    partial sum over its heads is all-reduced over tp (a plain, unsharded weight would keep only its
+    own heads' part, and the tp ranks' copies would drift apart). Without sequence parallel the
+    block's RMSNorm weights then become replicated DTensors too (:class:`ReplicateOnTP`: computed on
+    the same full sequence on every rank, so with no communication), as is the final norm: the
+    optimizer's fused and foreach kernels take one kind of tensor per parameter group, and all norm
+    weights share the group without weight decay.
+    """
     stream = Shard(1) if sequence_parallel else Replicate()
     plan = {
         # Each sub-block's input becomes one Replicate DTensor shared by its column-parallel
@@ -196,4 +212,10 @@ def _block_plan(sequence_parallel: bool) -> dict:
     if sequence_parallel:
         plan["attention_norm"] = SequenceParallel()
         plan["ffn_norm"] = SequenceParallel()
+    elif qk_norm:
+        plan["attention_norm"] = ReplicateOnTP()
+        plan["ffn_norm"] = ReplicateOnTP()
+    if qk_norm:
+        plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     return plan

@@ -27,7 +27,8 @@ def dense_feed_forward(args, layer: int, prefix: str) -> list[ParamSpec]:
 def transformer_param_shapes(args, feed_forward: Callable[[object, int, str], list[ParamSpec]]) -> list[ParamSpec]:
     """Every parameter of a LLaMA-style decoder in module order, each block's feed-forward from
     ``feed_forward(args, layer, "layers.N.")``. Shapes: [out_features, in_features] for linear
-    weights (nn.Linear), [vocab, dim] for the embedding and the output head (absent when tied)."""
+    weights (nn.Linear), [vocab, dim] for the embedding and the output head (absent when tied), and
+    with ``qk_norm`` the QK-norm weights [head_dim] after each block's wo."""
     dim, head_dim = args.dim, args.head_dim
     params = [ParamSpec("tok_embeddings.weight", (args.vocab_size, dim), None, tp_dim=0)]
     for layer in range(args.n_layers):
@@ -38,6 +39,9 @@ def transformer_param_shapes(args, feed_forward: Callable[[object, int, str], li
             ParamSpec(p + "attention.wv.weight", (args.kv_heads * head_dim, dim), layer, tp_dim=0),
             ParamSpec(p + "attention.wo.weight", (dim, args.n_heads * head_dim), layer, tp_dim=1),
         ]
+        if getattr(args, "qk_norm", False):  # [head_dim] RMSNorm weights, replicated on tp (Qwen3)
+            params += [ParamSpec(p + "attention.q_norm.weight", (head_dim,), layer, norm=True),
+                       ParamSpec(p + "attention.k_norm.weight", (head_dim,), layer, norm=True)]
         params += feed_forward(args, layer, p)
         params += [ParamSpec(p + "attention_norm.weight", (dim,), layer, norm=True),
                    ParamSpec(p + "ffn_norm.weight", (dim,), layer, norm=True)]

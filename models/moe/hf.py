@@ -58,6 +58,8 @@ def config_from_args(args, *, dtype: str, bos_id: int | None, eos_id: int | None
         require(getattr(args, field) == value, "model moe",
                 f"{field} = {getattr(args, field)!r}; a Mixtral checkpoint needs {field} = {value!r} "
                 "(softmax top-k routing renormalized, no shared experts, dense layers or routing bias)")
+    require(not args.qk_norm, "model moe", "qk_norm = True; Hugging Face's Mixtral has no QK-norm (model.name = "
+            "\"qwen3_moe\" exports it)")
     config = common_config(args, architecture="MixtralForCausalLM", model_type="mixtral", dtype=dtype,
                            bos_id=bos_id, eos_id=eos_id)
     del config["head_dim"]
