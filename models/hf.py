@@ -24,6 +24,7 @@ from functools import partial
 from typing import Callable
 
 __all__ = ["HFConfigError", "HFAdapter", "Rule", "require", "rope_from_config", "common_args", "common_config",
+           "validated_args",
            "same", "one", "attention_rules", "norm_rules", "embedding_rule", "head_rules"]
 
 
@@ -106,6 +107,24 @@ def common_args(config: dict, where: str) -> dict:
                 max_seq_len=int(config.get("max_position_embeddings", 2048)),
                 tie_embeddings=bool(config.get("tie_word_embeddings", False)),
                 ffn_hidden_size=int(config["intermediate_size"]), **rope)
+
+
+def validated_args(make: Callable[[], object], where: str):
+    """``make()`` (the family's model arguments from a config.json), validated.
+
+    Raises:
+        HFConfigError: ``"{where}: missing field 'x'"`` for a KeyError in ``make``, or
+            ``"{where}: <reason>"`` when the arguments' ``validate()`` refuses them.
+    """
+    try:
+        args = make()
+    except KeyError as error:
+        raise HFConfigError(f"{where}: missing field {error.args[0]!r}") from None
+    try:
+        args.validate()
+    except ValueError as error:
+        raise HFConfigError(f"{where}: {error}") from None
+    return args
 
 
 def common_config(args, *, architecture: str, model_type: str, dtype: str, bos_id, eos_id) -> dict:

@@ -6,8 +6,8 @@ Weight names map one to one (models/hf.py: the q/k permutation of RoPE's pair or
 
 from __future__ import annotations
 
-from models.hf import (HFAdapter, HFConfigError, Rule, attention_rules, common_args, common_config,
-                       embedding_rule, head_rules, norm_rules, one, require, same)
+from models.hf import (HFAdapter, Rule, attention_rules, common_args, common_config,
+                       embedding_rule, head_rules, norm_rules, one, require, same, validated_args)
 
 __all__ = ["LLAMA_HF_ADAPTER"]
 
@@ -21,15 +21,7 @@ def args_from_config(config: dict, where: str = "config.json"):
     """
     from models.llama.args import LlamaModelArgs
 
-    try:
-        args = LlamaModelArgs(**common_args(config, where))
-    except KeyError as error:
-        raise HFConfigError(f"{where}: missing field {error.args[0]!r}") from None
-    try:
-        args.validate()
-    except ValueError as error:
-        raise HFConfigError(f"{where}: {error}") from None
-    return args
+    return validated_args(lambda: LlamaModelArgs(**common_args(config, where)), where)
 
 
 def config_from_args(args, *, dtype: str, bos_id: int | None, eos_id: int | None) -> dict:

@@ -12,7 +12,7 @@ one [hidden, dim] / [dim, hidden] matrix per expert (``nn.Linear`` layout); Quad
 from __future__ import annotations
 
 from models.hf import (HFAdapter, HFConfigError, Rule, attention_rules, common_args, common_config,
-                       embedding_rule, head_rules, norm_rules, one, require, same)
+                       embedding_rule, head_rules, norm_rules, one, require, same, validated_args)
 
 __all__ = ["MIXTRAL_HF_ADAPTER"]
 
@@ -29,23 +29,18 @@ def args_from_config(config: dict, where: str = "config.json"):
     """
     from models.moe.args import MoEModelArgs
 
-    try:
+    def make() -> MoEModelArgs:
         common = common_args(config, where)
         require(config.get("sliding_window") is None, where,
                 f"sliding_window = {config.get('sliding_window')}; Quadra's attention has no sliding window")
-        args = MoEModelArgs(
+        return MoEModelArgs(
             **common, num_experts=int(config["num_local_experts"]), top_k=int(config["num_experts_per_tok"]),
             moe_inter_dim=int(config["intermediate_size"]), n_shared_experts=0, n_dense_layers=0,
             score_func="softmax", route_norm=True, route_scale=1.0, load_balance_coeff=0.0,
             aux_loss_coeff=float(config.get("router_aux_loss_coef", 0.0)), capacity_factor=0.0,
         )
-    except KeyError as error:
-        raise HFConfigError(f"{where}: missing field {error.args[0]!r}") from None
-    try:
-        args.validate()
-    except ValueError as error:
-        raise HFConfigError(f"{where}: {error}") from None
-    return args
+
+    return validated_args(make, where)
 
 
 def config_from_args(args, *, dtype: str, bos_id: int | None, eos_id: int | None) -> dict:

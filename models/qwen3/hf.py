@@ -20,7 +20,7 @@ HF -> Quadra -> HF is bitwise. Refusals are :class:`models.hf.HFConfigError` nam
 from __future__ import annotations
 
 from models.hf import (HFAdapter, HFConfigError, Rule, attention_rules, common_config, embedding_rule,
-                       head_rules, norm_rules, one, require, same)
+                       head_rules, norm_rules, one, require, same, validated_args)
 from models.llama.hf import feed_forward_rules
 from models.moe.hf import stack_transposed, unstack_transposed
 
@@ -63,18 +63,6 @@ def _common(config: dict, model_type: str, where: str) -> dict:
                 ffn_hidden_size=int(config["intermediate_size"]))
 
 
-def _validated(make, where: str):
-    try:
-        args = make()
-    except KeyError as error:
-        raise HFConfigError(f"{where}: missing field {error.args[0]!r}") from None
-    try:
-        args.validate()
-    except ValueError as error:
-        raise HFConfigError(f"{where}: {error}") from None
-    return args
-
-
 def qwen3_args_from_config(config: dict, where: str = "config.json"):
     """``Qwen3ModelArgs`` of a Qwen3 ``config.json``.
 
@@ -84,7 +72,7 @@ def qwen3_args_from_config(config: dict, where: str = "config.json"):
     """
     from models.qwen3.args import Qwen3ModelArgs
 
-    return _validated(lambda: Qwen3ModelArgs(**_common(config, "qwen3", where)), where)
+    return validated_args(lambda: Qwen3ModelArgs(**_common(config, "qwen3", where)), where)
 
 
 def _moe_args(config: dict, where: str):
@@ -110,7 +98,7 @@ def qwen3_moe_args_from_config(config: dict, where: str = "config.json"):
     Raises:
         HFConfigError: as :func:`qwen3_args_from_config`, and dense layers among the MoE layers.
     """
-    return _validated(lambda: _moe_args(config, where), where)
+    return validated_args(lambda: _moe_args(config, where), where)
 
 
 def _check_exportable(name: str, args) -> None:
