@@ -14,18 +14,13 @@ from __future__ import annotations
 import sys
 
 from engine.config import ConfigError, config_to_toml, load_config
-from engine.config.fingerprint import CONVERGENCE, EXECUTION, NUMERICS, changes, fingerprint
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
+from engine.config.fingerprint import CONVERGENCE, EXECUTION, NUMERICS, changes, fingerprint, load_tables
 
 
 def _tables(argv: list[str]) -> dict:
     cfg = load_config(argv)
     cfg.validate()
-    return tomllib.loads(config_to_toml(cfg))
+    return load_tables(config_to_toml(cfg))
 
 
 def diff(argv: list[str]) -> int:

@@ -24,6 +24,11 @@ import hashlib
 import json
 from typing import Any
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
 CONVERGENCE, NUMERICS, EXECUTION = "convergence", "numerics", "execution"
 
 _CLASSES: dict[str, dict[str, tuple[str, ...]]] = {
@@ -100,22 +105,19 @@ def fingerprint(config: dict[str, dict[str, Any]]) -> str:
 def run_fingerprint(config_toml: str, global_batch_size: int) -> str:
     """The fingerprint of a run: :func:`fingerprint` of its config TOML with
     ``training.global_batch_size`` replaced by the resolved global batch (sequences per step)."""
-    tables = _loads(config_toml)
+    tables = load_tables(config_toml)
     tables.setdefault("training", {})["global_batch_size"] = int(global_batch_size)
     return fingerprint(tables)
 
 
 def convergence_changes(old_toml: str, new_toml: str) -> list[tuple[str, str, Any, Any]]:
     """:func:`changes` between two config TOMLs, convergence keys only."""
-    return [change for change in changes(_loads(old_toml), _loads(new_toml)) if change[1] == CONVERGENCE]
+    return [change for change in changes(load_tables(old_toml), load_tables(new_toml)) if change[1] == CONVERGENCE]
 
 
-def _loads(text: str) -> dict:
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib
-    return tomllib.loads(text)
+def load_tables(config_toml: str) -> dict[str, dict[str, Any]]:
+    """The TOML tables ({section: {key: value}}) of a config TOML (e.g. ``config_to_toml(cfg)``)."""
+    return tomllib.loads(config_toml)
 
 
 def changes(old: dict[str, dict[str, Any]], new: dict[str, dict[str, Any]]) -> list[tuple[str, str, Any, Any]]:
