@@ -14,13 +14,15 @@ sources, per-file sizes and xxh3-128 digests). The output appears only when comp
 temporary folder beside it, then renamed); an existing complete output is left alone. Preparing
 the same input with the same tokenizer twice gives byte-identical files.
 
-Bad input: one line, exit 2. Runs in one process plus the tokenizer processes (no torchrun).
+Bad input: one line, exit 2. Ctrl-C or SIGTERM: one line, exit 130 / 143, nothing left behind.
+Runs in one process plus the tokenizer processes (no torchrun).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 # Allow `python scripts/prepare_data.py` from the repo root without installing the package.
@@ -28,6 +30,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from scripts.project_env import use_project_python  # noqa: E402
 
 use_project_python()  # the system Python of a fresh machine lacks the dependencies: re-run under .venv's
+
+
+_MAIN_PID = os.getpid()
+_STOPPED: list[int] = []  # the signal that interrupted the preparation
+
+
+def _on_stop_signal(signum, frame):
+    """SIGINT/SIGTERM: the main process unwinds (its ``finally`` blocks remove the temporary
+    folders) and reports in one line; a forked tokenizer worker leaves quietly, since the main
+    process reports and tears the pool down."""
+    if os.getpid() != _MAIN_PID:
+        os._exit(128 + signum)
+    _STOPPED.append(signum)
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from engine.data.prepared import PreparedDataError
 
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _on_stop_signal)
     try:
         if args.verify:
             return _verify(args.output)
@@ -65,6 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     except (PreparedDataError, FileNotFoundError, ValueError) as error:
         print(f"prepare_data error: {error}", file=sys.stderr)
         return 2
+    except BaseException:
+        if not _STOPPED:
+            raise
+        # datasets' worker pool turns the interrupt into a chained TimeoutError: report the signal.
+        name = signal.Signals(_STOPPED[0]).name
+        print(f"prepare_data: stopped by {name}; {args.output} was not written and the temporary files are "
+              "removed; the same command starts the preparation again", file=sys.stderr)
+        return 128 + _STOPPED[0]
     return 0
 
 

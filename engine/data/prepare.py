@@ -12,10 +12,12 @@ the tokenizer: preparing twice gives byte-identical files.
 
 from __future__ import annotations
 
+import glob
 import io
 import json
 import os
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -119,7 +121,7 @@ def write_prepared_folder(output: str, *, identity: dict, total_tokens: int, tok
     output = os.path.abspath(os.path.expanduser(output))
     parent = os.path.dirname(output)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.tmp-", dir=parent)
+    tmp = scratch_folder(output, "tmp", log)
     try:
         shards = _write_shards(tmp, dtype, total_tokens, token_chunks, shard_tokens, log)
         docs = _NpyWriter(os.path.join(tmp, DOCUMENTS), np.dtype(np.int64), num_documents + 1)
@@ -155,6 +157,41 @@ def write_prepared_folder(output: str, *, identity: dict, total_tokens: int, tok
         raise
 
 
+def scratch_folder(output: str, kind: str, log: Callable[[str], None] = print) -> str:
+    """A new private folder ``.<output name>.<kind>-<host>-<pid>-<random>`` beside ``output``.
+
+    Named after this host and process so that leftovers of a preparation that could not clean up
+    (killed with SIGKILL, a machine that went down) are recognised: before creating the folder,
+    those of this host whose process no longer exists are removed (other hosts' and live ones are
+    never touched). Returns the folder's absolute path.
+    """
+    parent, name = os.path.dirname(output), os.path.basename(output)
+    host = socket.gethostname().replace("-", "_")
+    for stale in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.{kind}-{glob.escape(host)}-*")):
+        pid = os.path.basename(stale)[len(f".{name}.{kind}-{host}-"):].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+            log(f"removed {stale}, left by an interrupted preparation (process {pid} is gone)")
+    return tempfile.mkdtemp(prefix=f".{name}.{kind}-{host}-{os.getpid()}-", dir=parent)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def _same_path(a: str, b: str) -> bool:
+    """Whether two input names are the same input: local paths compared as absolute paths (the
+    manifest keeps the path as given), hub dataset names as strings."""
+    norm = [os.path.abspath(os.path.expanduser(x)) if os.path.exists(os.path.expanduser(x)) else x for x in (a, b)]
+    return norm[0] == norm[1]
+
+
 def _tokenize(batch: dict, indices: list[int], *, tokenizer_path: str, text_column: str, eos: bool) -> dict:
     """``Dataset.map`` function (one worker process): {"ids": [[BOS] + ids (+ [EOS]) per text]}."""
     from engine.data.tokenizer import Tokenizer
@@ -176,7 +213,10 @@ def _existing(output: str, identity: dict, sources: list[dict], log) -> dict | N
     refuses an output that holds something else."""
     if is_prepared(output):
         manifest = read_manifest(output, "output")
-        if manifest["tokenizer"]["sha256"] != identity["sha256"] or manifest["sources"] != sources:
+        same = len(manifest["sources"]) == len(sources) and all(
+            {**m, "path": ""} == {**s, "path": ""} and _same_path(m["path"], s["path"])
+            for m, s in zip(manifest["sources"], sources))
+        if manifest["tokenizer"]["sha256"] != identity["sha256"] or not same:
             raise PreparedDataError(
                 f"output {output!r} is a prepared set of other data or another tokenizer "
                 f"({manifest['sources']}, tokenizer {manifest['tokenizer']['path']}); choose another output folder")
@@ -217,7 +257,9 @@ def prepare(source: str, output: str, tokenizer_path: str, *, text_column: str =
     tok = Tokenizer(tokenizer_path)
     tok._check_specials(True, True)  # packing wraps documents in BOS/EOS: refuse a tokenizer without them
     identity = tokenizer_identity(tok)
-    sources = [{"path": source, "split": split, "text_column": text_column}]
+    local = os.path.exists(os.path.expanduser(source))
+    sources = [{"path": os.path.abspath(os.path.expanduser(source)) if local else source, "split": split,
+                "text_column": text_column}]
     output = os.path.abspath(os.path.expanduser(output))
     done = _existing(output, identity, sources, log)
     if done is not None:
@@ -225,7 +267,7 @@ def prepare(source: str, output: str, tokenizer_path: str, *, text_column: str =
     ds = load_documents(source, text_column=text_column, split=split, setting="input",
                         column_setting="--text_column", num_proc=num_proc)
     os.makedirs(os.path.dirname(output), exist_ok=True)
-    cache = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.cache-", dir=os.path.dirname(output))
+    cache = scratch_folder(output, "cache", log)
     try:
         started = time.perf_counter()
         ids = datasets.List(datasets.Value(token_dtype(tok.vocab_size).name))
