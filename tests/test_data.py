@@ -238,6 +238,20 @@ def test_validation_equal_counts_and_sharding(tok, corpus, streaming):
                                     local_batch_size=2, dp_rank=0, dp_degree=1)
 
 
+def test_validation_steps_beyond_the_split_are_announced(tok, corpus, caplog):
+    available = loader(tok, corpus).source.windows_per_epoch // 2
+    for steps, rank, warned in [(available, 0, False), (available + 1, 0, True), (available + 1, 1, False)]:
+        caplog.clear()
+        vl = build_validation_dataloader(val_cfg(corpus, steps), cfg(corpus), tok, seq_len=S, local_batch_size=1,
+                                         dp_rank=rank, dp_degree=2)
+        assert len(list(vl)) == available
+        said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert bool(said) == warned, said  # once per run: rank 0 only
+        if warned:
+            assert said[0].startswith(f"validation.steps={available + 1} but validation.path=") and \
+                f"holds {available} global batches" in said[0]
+
+
 # ---------------------------------------------------------------- reading
 
 

@@ -276,8 +276,8 @@ class LoadingMixin:
             self.dataloader.load_state_dict(saved)
         except ValueError as error:
             # The saved position addresses windows of other data: no exact carry-over exists.
-            logger.warning("cannot carry the data position over (%s); the data loader starts at the first "
-                           "window of the current data, model and optimizer are restored", error)
+            self._log_once("cannot carry the data position over (%s); the data loader starts at the first "
+                           "window of the current data, model and optimizer are restored", error, level=logging.WARNING)
             return
         layout = ("global_batch_size", "local_batch_size", "dp_degree")
         if any(saved[k] != mine[k] for k in layout):

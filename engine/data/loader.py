@@ -382,4 +382,9 @@ def build_validation_dataloader(validation_cfg, data_cfg, tokenizer: Tokenizer, 
             f"{local_batch_size * dp_degree} windows of {seq_len + 1} tokens, not one validation "
             "batch; use a larger split or a smaller global_batch_size/seq_len"
         )
+    available = None if loader.streaming else make().windows_per_epoch // (local_batch_size * dp_degree)
+    if available is not None and steps > available and dp_rank == 0:
+        logger.warning("validation.steps=%d but validation.path=%r holds %d global batches of %d windows: each "
+                       "validation uses those %d (set validation.steps = -1 for the whole split)", steps,
+                       validation_cfg.path, available, local_batch_size * dp_degree, available)
     return loader
