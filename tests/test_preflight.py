@@ -54,6 +54,16 @@ def test_launch_settings_are_checked_before_torchrun(tmp_path):
     assert out.returncode == 2 and "NODE_RANK=2 must be below NNODES=2" in out.stderr, out.stderr
 
 
+def test_a_missing_local_path_that_reads_as_a_hub_name_is_refused_before_any_rank_starts(tmp_path):
+    out = subprocess.run([os.path.join(REPO, "run_train.sh"), "--job.dump_folder", str(tmp_path / "run"),
+                          "--data.path", "assets/no_such_corpus"], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)  # run_train.sh reads paths from the repo root, where ./assets is a folder
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert "data.path='assets/no_such_corpus' does not exist, though ./assets is a local folder" in lines[0]
+    assert not os.path.exists(tmp_path / "run")  # no rank started
+
+
 @pytest.mark.parametrize("fast_bf16, device, dtype, warned", [
     (False, "cpu", "bfloat16", True),
     (True, "cpu", "bfloat16", False),  # AVX512-BF16 / AMX: bf16 is fast

@@ -12,6 +12,7 @@ setting gives one line in a fraction of a second.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 logger = logging.getLogger("quadra")
@@ -91,7 +92,8 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
         world_size: number of ranks the run will have (``NGPU × NNODES`` before launch).
         device_type: "cpu" or "cuda" (some rules, e.g. async TP, depend on it).
         check_data: also check that local ``data.path`` / ``validation.path`` exist and hold data
-            files of a supported type (hub dataset names are only checked by the ranks), that
+            files of a supported type (hub dataset names are only checked by the ranks, except an
+            "owner/name" whose "owner" is a local folder: a missing local path), that
             prepared folders (those paths and ``data.mixture``) are complete and made with the run's
             tokenizer (engine/data/prepared.py), and that the checkpoint folder can be written (it
             is created).
@@ -189,6 +191,12 @@ def _check_local_data(cfg, tokenizer) -> None:
                              "it with scripts/prepare_data.py")
         elif looks_like_local_path(path):
             resolve_local_files(path, setting)
+        elif "/" in path and os.path.isdir(path.split("/", 1)[0]):
+            # "owner/name" reads as a hub dataset, but an "owner" folder here means a mistyped local path.
+            top = path.split("/", 1)[0]
+            raise FileNotFoundError(
+                f"{setting}={path!r} does not exist, though ./{top} is a local folder (run_train.sh reads relative "
+                f"paths from the repo root): fix the path, or give a hub dataset whose owner is not a local folder")
 
 
 def _check_checkpoint_folder(cfg) -> None:
