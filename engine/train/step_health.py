@@ -68,7 +68,8 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (n - 1), summed exactly (``math.fsum``): the same floats on
     every rank for the same values."""
     mean = math.fsum(values) / len(values)
-    return mean, math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (len(values) - 1))
+    # d * d, not d ** 2: a huge finite loss then gives inf instead of raising OverflowError.
+    return mean, math.sqrt(math.fsum((v - mean) * (v - mean) for v in values) / (len(values) - 1))
 
 
 class StepHealth:

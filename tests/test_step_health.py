@@ -1,0 +1,176 @@
+"""Step health (engine/train/step_health.py): non-finite and spiking steps are skipped or stop the run,
+the same way on every layout, with the decision state checkpointed, a record and a capsule per step.
+
+Non-finite gradients and spikes are injected by the test-only hook of tests/step_health_utils.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import types
+
+import pytest
+
+from engine.config import ConfigError, load_config
+from engine.train.step_health import StepHealth
+from tests.dist_utils import run_distributed
+from tests.step_health_utils import bitwise_differences, inject, state_snapshot, train_injected
+from tests.training_utils import PARITY_STEPS, base_args
+
+
+def _policy(**overrides):
+    values = dict(on_nonfinite="skip", loss_spike_sigma=3.0, grad_norm_spike_sigma=0.0, window=4,
+                  max_consecutive_skips=0)
+    values.update(overrides)
+    return types.SimpleNamespace(**values)
+
+
+# ---------------------------------------------------------------------------- the rules, on numbers
+def test_spike_rule_waits_for_half_a_window_and_keeps_skipped_steps_out_of_it():
+    health = StepHealth(_policy(window=4))
+    assert health.judge(1, 5.0, 1.0).reason is None
+    assert health.judge(2, 50.0, 1.0).reason is None  # one accepted step: no statistics yet (min 2)
+    # window [5, 50]: mean 27.5, std 31.8; 3 sigma above is 123
+    verdict = health.judge(3, 124.0, 1.0)
+    assert (verdict.reason, verdict.skip, verdict.value) == ("loss_spike", True, 124.0)
+    assert verdict.zscore == pytest.approx((124.0 - 27.5) / math.sqrt(2 * 22.5 ** 2))
+    assert health.judge(4, 122.0, 1.0).reason is None  # the skipped 124 did not widen the window
+    assert [loss for loss, _ in health.window] == [5.0, 50.0, 122.0]
+    assert health.summary() == "1 step skipped (loss_spike 1)"
+
+
+def test_nonfinite_values_stop_or_skip_and_consecutive_skips_stop():
+    stop = StepHealth(_policy(on_nonfinite="stop"))
+    verdict = stop.judge(7, float("nan"), 1.0)
+    assert verdict.skip and verdict.reason == "nonfinite_loss"
+    assert verdict.fatal.startswith("loss is nan (grad_norm 1.0) at step 7: training diverged")
+    skip = StepHealth(_policy(max_consecutive_skips=2))
+    first = skip.judge(1, 1.0, float("inf"))
+    assert (first.reason, first.skip, first.fatal) == ("nonfinite_grad_norm", True, None)
+    assert skip.judge(2, 2.0, 1.0).fatal is None  # accepted: the count of skips in a row restarts
+    assert skip.judge(3, float("nan"), 1.0).fatal is None
+    fatal = skip.judge(4, 1.0, float("nan")).fatal
+    assert fatal.startswith("step_health.max_consecutive_skips = 2 reached: steps 3-4 were all skipped"), fatal
+    assert "\n" not in fatal
+
+
+def test_state_round_trips_exactly_and_a_shorter_window_keeps_the_newest():
+    health = StepHealth(_policy(window=8, loss_spike_sigma=0.0))
+    for step, loss in enumerate([1 / 3, 2 / 7, 0.1 + 0.2, 5e-324, 1e300], start=1):
+        health.judge(step, loss, loss * 3)
+    health.judge(6, float("nan"), 1.0)
+    again = StepHealth(_policy(window=8, loss_spike_sigma=0.0))
+    again.load_state_dict(health.state_dict())
+    assert list(again.window) == list(health.window) and again.state_dict() == health.state_dict()
+    short = StepHealth(_policy(window=2, loss_spike_sigma=0.0))
+    short.load_state_dict(health.state_dict())
+    assert list(short.window) == list(health.window)[-2:] and short.skipped == 1
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("loss_spike_sigma", "-1", "step_health.loss_spike_sigma = -1.0: must be >= 0"),
+    ("grad_norm_spike_sigma", "-0.5", "step_health.grad_norm_spike_sigma = -0.5: must be >= 0"),
+    ("window", "1", "step_health.window = 1: must be >= 2"),
+    ("max_consecutive_skips", "-1", "step_health.max_consecutive_skips = -1: must be >= 0"),
+    ("on_nonfinite", "ignore", "step_health.on_nonfinite = 'ignore' is not an allowed value"),
+])
+def test_bad_settings_are_refused_with_one_line(key, value, expected):
+    with pytest.raises(ConfigError) as error:
+        load_config([f"--step_health.{key}", value]).validate()
+    assert str(error.value).startswith(expected) and "\n" not in str(error.value), str(error.value)
+
+
+# ---------------------------------------------------------------------------- one process, bitwise
+SKIP = {"step_health.on_nonfinite": "skip", "validation.enable": "false"}
+K = 3  # the injected step
+
+
+def _skip_against_never_applied(folder: str, model: str) -> dict:
+    """Run A skips step K (NaN gradient); run B never trains step K (its batch is read and dropped,
+    the LR schedule stepped, by hand). Returns what the test compares."""
+    from engine.config import load_config
+    from engine.train.trainer import Trainer
+
+    def build(name, overrides):
+        cfg = load_config(base_args(f"{folder}/{name}", {"model.name": model, **overrides}))
+        cfg.validate()
+        return Trainer(cfg)
+
+    a = build("a", SKIP)
+    inject(a, {K: "nan_grad"})
+    a.train(K - 1)
+    before = state_snapshot(a)
+    a.train(1)
+    at_k = bitwise_differences(before, state_snapshot(a))
+    a.train()
+    b = build("b", {"validation.enable": "false"})
+    b.train(K - 1)
+    for _ in range(b.grad_accum_steps):
+        b.dataloader.next_batch()
+    b.lr_scheduler.step()
+    b.step += 1
+    b.train()
+    runs = {}
+    for name, trainer in (("a", a), ("b", b)):
+        trainer.close()
+        runs[name] = [(h["step"], h["loss"], h["grad_norm"], h["lr"]) for h in trainer.history]
+    with open(f"{folder}/a/metrics.jsonl") as f:
+        events = [json.loads(line) for line in f if '"skipped_step"' in line]
+    return {"at_k": at_k, "buffers": [n for n in before if ".buffer." in n], "runs": runs,
+            "final": bitwise_differences(state_snapshot(a), state_snapshot(b)), "events": events,
+            "capsule": os.path.exists(f"{folder}/a/capsules/step-{K}.json")}
+
+
+@pytest.mark.parametrize("model", ["llama", "moe"])
+def test_skipped_step_changes_no_bit_and_the_run_equals_one_without_that_update(tmp_path, model):
+    (got,) = run_distributed(_skip_against_never_applied, 1, str(tmp_path), model, torchrun_env=False)
+    assert got["at_k"] == [], f"step {K} was skipped but changed {got['at_k'][:5]}"
+    if model == "moe":  # the load-balancing biases are among the state held bitwise
+        assert any("expert_bias" in name for name in got["buffers"]), got["buffers"]
+    a, b = got["runs"]["a"], got["runs"]["b"]
+    assert [s for s, *_ in a] == list(range(1, PARITY_STEPS + 1))
+    assert math.isnan(a[K - 1][2])
+    # Every other step is bitwise the run that never applied step K (same LR, same data after it).
+    assert [r for r in a if r[0] != K] == [r for r in b], (a, b)
+    assert got["final"] == [], f"final states differ: {got['final'][:5]}"
+    assert [(e["step"], e["reason"], e["value"]) for e in got["events"]] == [(K, "nonfinite_grad_norm", None)]
+    assert got["capsule"]
+
+
+# ---------------------------------------------------------------------------- resume
+RESUME = {"step_health.on_nonfinite": "skip", "step_health.loss_spike_sigma": "3", "step_health.window": "2",
+          "validation.enable": "false", "training.steps": "6", "checkpoint.enable": "true",
+          "checkpoint.interval": "2"}
+RESUME_PLAN = {4: "loss_spike", 5: "nan_grad"}
+
+
+def _full_and_resumed(folder: str) -> tuple[dict, dict, dict]:
+    full = train_injected(base_args(f"{folder}/full", RESUME), RESUME_PLAN)
+    train_injected(base_args(f"{folder}/resumed", RESUME), {}, steps=2)  # saves step-2 and stops
+    resumed = train_injected(base_args(f"{folder}/resumed", RESUME), RESUME_PLAN)
+    with open(f"{folder}/full/capsules/step-4.json") as f:
+        capsule = json.load(f)
+    return full, resumed, capsule
+
+
+def _exact(history):
+    """Records with floats as their exact repr (NaN equal to NaN)."""
+    return [tuple(repr(v) for v in record) for record in history]
+
+
+def test_a_resume_before_the_skip_takes_the_same_decisions_bitwise(tmp_path):
+    (got,) = run_distributed(_full_and_resumed, 1, str(tmp_path), torchrun_env=False)
+    full, resumed, capsule = got
+    assert [h[3] for h in full["history"]] == [None, None, None, "loss_spike", "nonfinite_grad_norm", None]
+    # The resumed run trains steps 3-6 from checkpoint step-2: every record and the final state agree.
+    assert _exact(resumed["history"]) == _exact(full["history"][2:]), (resumed["history"], full["history"])
+    assert resumed["state"] == full["state"]
+    assert full["skipped"] == "2 steps skipped (loss_spike 1, nonfinite_grad_norm 1)"
+    # The capsule of step 4: the windows of its batch, the checkpoint to replay it from, the statistics.
+    assert capsule["data"]["positions"] == [24, 32] and capsule["data"]["loader_state_before"]["position"] == 24
+    assert capsule["replay_from"]["step"] == 2 and capsule["replay_from"]["steps_to_replay"] == 2
+    assert capsule["replay_from"]["checkpoint"].endswith(os.path.join("checkpoint", "step-2"))
+    assert capsule["statistics"]["count"] == 2 and capsule["zscore"] > 3
+    assert len(capsule["fingerprint"]) == 16 and capsule["action"] == "skipped"
