@@ -174,3 +174,96 @@ def test_a_resume_before_the_skip_takes_the_same_decisions_bitwise(tmp_path):
     assert capsule["replay_from"]["checkpoint"].endswith(os.path.join("checkpoint", "step-2"))
     assert capsule["statistics"]["count"] == 2 and capsule["zscore"] > 3
     assert len(capsule["fingerprint"]) == 16 and capsule["action"] == "skipped"
+
+
+# ---------------------------------------------------------------------------- every layout decides alike
+LAYOUT_POLICY = {"step_health.on_nonfinite": "skip", "step_health.loss_spike_sigma": "3",
+                 "step_health.grad_norm_spike_sigma": "100", "step_health.window": "2",
+                 "step_health.max_consecutive_skips": "3"}
+# Step 2: a NaN in one gradient element of every rank's first local shard; 4: the loss x 10; 5: the
+# gradients x 100 (a grad-norm spike measured through each layout's norm reduction).
+LAYOUT_PLAN = {2: "nan_grad", 4: "loss_spike", 5: "grad_spike"}
+WANT = [None, "nonfinite_grad_norm", None, "loss_spike", "grad_norm_spike"]
+LAYOUTS = {
+    "fsdp2": {"parallelism.dp_shard": 2, "training.local_batch_size": 4},
+    "tp2": {"parallelism.tp": 2, "parallelism.dp_shard": 1},
+    "pp2": {"parallelism.pp": 2, "parallelism.dp_shard": 1, "parallelism.pp_microbatch_size": 4},
+    "cp2": {"parallelism.cp": 2, "parallelism.dp_shard": 1},
+}
+
+
+def _layouts(folder: str) -> dict:
+    from tests.training_utils import run_in_turn
+
+    return run_in_turn(LAYOUTS, lambda name, overrides: train_injected(
+        base_args(f"{folder}/{name}", {**LAYOUT_POLICY, **overrides}), LAYOUT_PLAN))
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("step_health_layouts"))
+    (single,) = run_distributed(train_injected, 1, base_args(f"{folder}/single", LAYOUT_POLICY), LAYOUT_PLAN,
+                                torchrun_env=False)
+    return single, run_distributed(_layouts, 2, folder, timeout=600.0)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_rank_of_every_layout_takes_the_single_process_decisions(layout_runs, layout):
+    single, ranks = layout_runs
+    assert [h[3] for h in single["history"]] == WANT, single["history"]
+    for rank, results in enumerate(ranks):
+        got = results[layout]
+        assert not isinstance(got, str), f"layout {layout} rank {rank}:\n{got}"
+        assert [h[3] for h in got["history"]] == WANT, (layout, rank, got["history"])
+        for (step, loss, norm, _), (_, ref_loss, ref_norm, _) in zip(got["history"], single["history"]):
+            tol = 1e-5 if step == 1 else 1e-4
+            assert math.isclose(loss, ref_loss, rel_tol=tol), f"{layout} rank {rank} step {step}: loss {loss} vs {ref_loss}"
+            assert math.isclose(norm, ref_norm, rel_tol=tol) or (math.isnan(norm) and math.isnan(ref_norm)), \
+                f"{layout} rank {rank} step {step}: grad_norm {norm} vs {ref_norm}"
+        assert json.loads(got["state"])["skipped_by_reason"] == json.loads(single["state"])["skipped_by_reason"]
+
+
+# ---------------------------------------------------------------------------- stop
+def _stop_through_main(folder: str, error_dir: str) -> int:
+    """engine.train.main.main with a NaN gradient at step 3 (the trainer class patched to inject it)."""
+    import engine.train.trainer as trainer_module
+    from engine.train.main import main
+
+    class Injected(trainer_module.Trainer):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            inject(self, {3: "nan_grad"})
+
+    os.environ["QUADRA_ERROR_DIR"] = error_dir
+    trainer_module.Trainer = Injected
+    return main(base_args(folder, {"parallelism.dp_shard": 2, "training.local_batch_size": 4,
+                                   "validation.enable": "false"}))
+
+
+def test_stop_ends_every_rank_with_one_line_and_leaves_a_capsule(tmp_path):
+    error_dir = tmp_path / "errors"
+    error_dir.mkdir()
+    statuses = run_distributed(_stop_through_main, 2, str(tmp_path / "run"), str(error_dir))
+    assert statuses == [1, 1]
+    for rank in range(2):
+        lines = (error_dir / f"rank{rank}.err").read_text().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("training stopped: loss is ") and \
+            "at step 3: training diverged" in lines[0] and "grad_norm nan" in lines[0], lines
+    capsule = json.loads((tmp_path / "run" / "capsules" / "step-3.json").read_text())
+    assert (capsule["action"], capsule["reason"], capsule["value"]) == ("stopped", "nonfinite_grad_norm", "nan")
+    assert capsule["layout"]["world_size"] == 2 and capsule["layout"]["dp_shard"] == 2
+    assert sorted(os.listdir(tmp_path / "run" / "capsules")) == ["step-3.json"]
+
+
+def test_consecutive_skips_stop_the_run(tmp_path):
+    policy = {**SKIP, "step_health.max_consecutive_skips": "2"}
+    (got,) = run_distributed(train_injected, 1, base_args(str(tmp_path), policy), {2: "nan_grad", 3: "grad_spike", 4: "nan_grad"},
+                             torchrun_env=False)
+    # Step 3's spike is not judged (grad_norm_spike_sigma = 0): only 2 and 4 skip, not in a row.
+    assert got["error"] is None and [h[3] for h in got["history"]][1:4] == ["nonfinite_grad_norm", None, "nonfinite_grad_norm"]
+    (got,) = run_distributed(train_injected, 1, base_args(str(tmp_path / "b"), policy), {2: "nan_grad", 3: "nan_grad"},
+                             torchrun_env=False)
+    assert got["step"] == 3 and got["error"].startswith(
+        "step_health.max_consecutive_skips = 2 reached: steps 2-3 were all skipped (last: nonfinite_grad_norm, value nan)")
+    capsule = json.loads((tmp_path / "b" / "capsules" / "step-3.json").read_text())
+    assert capsule["action"] == "stopped" and capsule["statistics"]["consecutive_skips"] == 2
