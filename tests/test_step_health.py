@@ -267,3 +267,23 @@ def test_consecutive_skips_stop_the_run(tmp_path):
         "step_health.max_consecutive_skips = 2 reached: steps 2-3 were all skipped (last: nonfinite_grad_norm, value nan)")
     capsule = json.loads((tmp_path / "b" / "capsules" / "step-3.json").read_text())
     assert capsule["action"] == "stopped" and capsule["statistics"]["consecutive_skips"] == 2
+
+
+def _resume_a_checkpoint_without_step_health(folder: str) -> dict:
+    """Save step-2 with a trainer state lacking "step_health" (as checkpoints made before it did), resume."""
+    import engine.train.trainer as trainer_module
+
+    original = trainer_module.Trainer.state_dict
+    trainer_module.Trainer.state_dict = lambda self: {k: v for k, v in original(self).items() if k != "step_health"}
+    try:
+        train_injected(base_args(folder, RESUME), {}, steps=2)
+    finally:
+        trainer_module.Trainer.state_dict = original
+    return train_injected(base_args(folder, RESUME), {})
+
+
+def test_a_checkpoint_from_before_step_health_resumes_with_fresh_statistics(tmp_path):
+    (got,) = run_distributed(_resume_a_checkpoint_without_step_health, 1, str(tmp_path), torchrun_env=False)
+    # DCP refuses to load a key the checkpoint lacks: the load asks only for the trainer keys saved.
+    assert [(h[0], h[3]) for h in got["history"]] == [(3, None), (4, None), (5, None), (6, None)]
+    assert got["error"] is None and got["step"] == 6
