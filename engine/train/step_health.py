@@ -30,7 +30,17 @@ from __future__ import annotations
 import collections
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
+
+def advance_lr_schedule(lr_scheduler) -> None:
+    """``lr_scheduler.step()`` for a skipped step: the schedule advances as if the update had been
+    applied. Torch warns when a scheduler steps before the optimizer ever did (a skipped first step);
+    here that order is intended, so that one warning is silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+        lr_scheduler.step()
+
 
 NONFINITE_LOSS, NONFINITE_GRAD_NORM = "nonfinite_loss", "nonfinite_grad_norm"
 LOSS_SPIKE, GRAD_NORM_SPIKE = "loss_spike", "grad_norm_spike"

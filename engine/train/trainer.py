@@ -40,7 +40,7 @@ from engine.observe.profiling import StepProfiler
 from engine.train.runner import PipelineRunner, SingleRunner, StepContext
 from engine.train.signals import StopRequest
 from engine.train.capsule import write_capsule
-from engine.train.step_health import StepHealth
+from engine.train.step_health import StepHealth, advance_lr_schedule
 from parallelisms.comm_counter import group_names_by_mesh_dim
 from parallelisms.grad_norm import clip_grad_norm_
 
@@ -221,10 +221,11 @@ class Trainer:
             verdict = self.step_health.judge(self.step + 1, loss, grad_norm)
             if verdict.skip:  # parameters, optimizer state and model buffers stay as they are
                 model_metrics = self.runner.discard_step()
+                advance_lr_schedule(self.lr_scheduler)
             else:
                 self.optimizer.step()
                 model_metrics = self.runner.post_optimizer_step()
-            self.lr_scheduler.step()
+                self.lr_scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         if verdict.reason is not None:
