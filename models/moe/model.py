@@ -117,7 +117,6 @@ class MoETransformer(Transformer):
             layer.reset_stats()
 
 
-
 _METRIC_OPS = {
     "moe_tokens_per_expert_min": "min",
     "moe_tokens_per_expert_max": "max",
