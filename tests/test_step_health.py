@@ -248,7 +248,8 @@ def test_stop_ends_every_rank_with_one_line_and_leaves_a_capsule(tmp_path):
     for rank in range(2):
         lines = (error_dir / f"rank{rank}.err").read_text().splitlines()
         assert len(lines) == 1 and lines[0].startswith("training stopped: loss is ") and \
-            "at step 3: training diverged" in lines[0] and "grad_norm nan" in lines[0], lines
+            "at step 3: training diverged" in lines[0] and "grad_norm nan" in lines[0] and \
+            lines[0].endswith(f"; capsule {tmp_path / 'run' / 'capsules' / 'step-3.json'}"), lines
     capsule = json.loads((tmp_path / "run" / "capsules" / "step-3.json").read_text())
     assert (capsule["action"], capsule["reason"], capsule["value"]) == ("stopped", "nonfinite_grad_norm", "nan")
     assert capsule["layout"]["world_size"] == 2 and capsule["layout"]["dp_shard"] == 2

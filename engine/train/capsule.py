@@ -44,12 +44,17 @@ def replay_source(checkpoint_folder: str | None, step: int) -> dict:
     return {"checkpoint": os.path.abspath(complete[newest]), "step": newest, "steps_to_replay": step - newest}
 
 
-def write_capsule(run_folder: str, verdict, *, loader_state: dict, lr: float, fingerprint: str,
-                  checkpoint_folder: str | None, world_size: int, parallel_dims, thresholds: dict) -> str:
-    """Write ``<run_folder>/capsules/step-<verdict.step>.json`` atomically; returns its path.
+def capsule_path(run_folder: str, step: int) -> str:
+    """``<run_folder>/capsules/step-<step>.json``."""
+    return os.path.join(run_folder, CAPSULE_FOLDER, f"step-{step}.json")
+
+
+def write_capsule(path: str, verdict, *, loader_state: dict, lr: float, fingerprint: str,
+                  checkpoint_folder: str | None, world_size: int, parallel_dims, thresholds: dict) -> None:
+    """Write the capsule of ``verdict.step`` to ``path`` (:func:`capsule_path`) atomically.
 
     Args:
-        run_folder: the run folder.
+        path: the capsule file; the run's config.toml is expected two folders up.
         verdict: the step's ``engine.train.step_health.Verdict``.
         loader_state: the data loader's ``state_dict()`` *after* the step (position p + G).
         lr: the learning rate the step would have applied.
@@ -78,14 +83,11 @@ def write_capsule(run_folder: str, verdict, *, loader_state: dict, lr: float, fi
                  "loader_state_before": before},
         "replay_from": replay_source(checkpoint_folder, verdict.step),
         "fingerprint": fingerprint,
-        "config": os.path.abspath(os.path.join(run_folder, "config.toml")),
+        "config": os.path.abspath(os.path.join(os.path.dirname(path), os.pardir, "config.toml")),
         "layout": {"world_size": world_size, **{k: getattr(parallel_dims, k) for k in DEGREES}},
     }
-    folder = os.path.join(run_folder, CAPSULE_FOLDER)
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"step-{verdict.step}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w", encoding="utf-8") as file:
         json.dump(_json_number(capsule), file, indent=1, sort_keys=True)
         file.write("\n")
     os.replace(path + ".tmp", path)
-    return path

@@ -39,7 +39,7 @@ from engine.launch.preflight import check_setup
 from engine.observe.profiling import StepProfiler
 from engine.train.runner import PipelineRunner, SingleRunner, StepContext
 from engine.train.signals import StopRequest
-from engine.train.capsule import write_capsule
+from engine.train.capsule import capsule_path, write_capsule
 from engine.train.step_health import StepHealth, advance_lr_schedule
 from parallelisms.comm_counter import group_names_by_mesh_dim
 from parallelisms.grad_norm import clip_grad_norm_
@@ -241,22 +241,27 @@ class Trainer:
         return record
 
     def _report_unhealthy(self, verdict, lr: float) -> None:
-        """A skipped or fatal step: console line, metrics record and capsule (rank 0); raises
-        :class:`TrainingDivergedError` on every rank when the verdict stops the run."""
+        """A skipped or fatal step: console line, metrics record and capsule (rank 0; a failure to write
+        them is a warning, so the ranks stay in step); raises :class:`TrainingDivergedError` on every
+        rank, naming the capsule, when the verdict stops the run."""
+        path = capsule_path(self.run_folder, verdict.step)
         if self.dist.rank == 0:
-            z = "n/a" if verdict.zscore is None else f"{verdict.zscore:.2f}"
-            path = write_capsule(
-                self.run_folder, verdict, loader_state=self.dataloader.state_dict(), lr=lr,
-                fingerprint=self.fingerprint, world_size=self.dist.world_size, parallel_dims=self.parallel_dims,
-                checkpoint_folder=self.checkpointer.folder if self.cfg.checkpoint.enable else None,
-                thresholds=dataclasses.asdict(self.cfg.step_health))
-            self.metrics.log_event("skipped_step", {"step": verdict.step, "reason": verdict.reason, "value": verdict.value,
-                                                    "zscore": verdict.zscore, "skipped_total": self.step_health.skipped})
+            try:
+                write_capsule(path, verdict, loader_state=self.dataloader.state_dict(), lr=lr,
+                              fingerprint=self.fingerprint, world_size=self.dist.world_size,
+                              parallel_dims=self.parallel_dims, thresholds=dataclasses.asdict(self.cfg.step_health),
+                              checkpoint_folder=self.checkpointer.folder if self.cfg.checkpoint.enable else None)
+                self.metrics.log_event("skipped_step", {"step": verdict.step, "reason": verdict.reason,
+                                                        "value": verdict.value, "zscore": verdict.zscore,
+                                                        "skipped_total": self.step_health.skipped})
+            except OSError as error:
+                logger.warning("step %d: capsule or metrics record not written (%s)", verdict.step, error)
             if verdict.fatal is None:
+                z = "n/a" if verdict.zscore is None else f"{verdict.zscore:.2f}"
                 logger.warning("step %d skipped: %s %s (z-score %s); capsule %s", verdict.step, verdict.reason,
                                verdict.value, z, path)
         if verdict.fatal is not None:
-            raise TrainingDivergedError(verdict.fatal)
+            raise TrainingDivergedError(f"{verdict.fatal}; capsule {path}")
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
