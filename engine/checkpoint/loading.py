@@ -241,6 +241,8 @@ class LoadingMixin:
         settings, base_lrs = optimizer_settings(self.state.optimizers), list(self.lr_scheduler.base_lrs)
         state = self._training_state()
         state["dataloader"] = _saved_loader_keys(metadata, state["dataloader"])
+        # A checkpoint from before a trainer key existed (e.g. step_health) lacks it: ask only for saved ones.
+        state["trainer"] = {k: v for k, v in state["trainer"].items() if f"trainer.{k}" in metadata.state_dict_metadata}
         rank_key = f"rank{self.dist.rank}"
         same_world = marker.get("world_size") == self.dist.world_size
         if same_world and f"rng.{rank_key}.cpu" in metadata.state_dict_metadata:

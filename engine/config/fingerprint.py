@@ -39,6 +39,8 @@ _CLASSES: dict[str, dict[str, tuple[str, ...]]] = {
         "optimizer": ("name", "lr", "beta1", "beta2", "eps", "weight_decay"),
         "lr_scheduler": ("warmup_steps", "decay_type", "decay_ratio", "min_lr"),
         "checkpoint": ("initial_load_path", "initial_load_model_only"),
+        # Which updates are applied: a skipped step trains nothing, so the same data gives another model.
+        "step_health": ("on_nonfinite", "loss_spike_sigma", "grad_norm_spike_sigma", "window"),
     },
     NUMERICS: {
         "job": ("device",),
@@ -57,6 +59,8 @@ _CLASSES: dict[str, dict[str, tuple[str, ...]]] = {
             "grad_sync_each_microbatch", "sequence_parallel", "loss_parallel", "async_tp",
         ),
         "comm": ("backend", "init_timeout_seconds"),
+        # When to give up: changes no update a run applies, only whether it goes on.
+        "step_health": ("max_consecutive_skips",),
         "checkpoint": ("enable", "folder", "interval", "keep_latest_k", "async_mode", "load_step"),
         "metrics": ("log_freq", "enable_tensorboard", "save_tb_folder", "peak_tflops", "log_all_ranks",
                     "time_attribution"),

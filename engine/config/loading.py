@@ -33,7 +33,7 @@ from engine.config.validation import config_warnings, range_problems
 from engine.config.schema import (  # the section dataclasses, re-exported for type hints
     ActivationCheckpointSection, CheckpointSection, CommSection, CompileSection, DataSection,
     JobSection, LRSchedulerSection, MetricsSection, ModelSection, OptimizerSection,
-    ParallelismSection, ProfilingSection, TrainingSection, ValidationSection,
+    ParallelismSection, ProfilingSection, StepHealthSection, TrainingSection, ValidationSection,
 )
 
 __all__ = [
@@ -58,6 +58,7 @@ class JobConfig:
     data: DataSection = field(default_factory=DataSection)
     validation: ValidationSection = field(default_factory=ValidationSection)
     training: TrainingSection = field(default_factory=TrainingSection)
+    step_health: StepHealthSection = field(default_factory=StepHealthSection)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     lr_scheduler: LRSchedulerSection = field(default_factory=LRSchedulerSection)
     parallelism: ParallelismSection = field(default_factory=ParallelismSection)

@@ -114,6 +114,20 @@ class TrainingSection:
 
 
 @dataclass
+class StepHealthSection:
+    """``[step_health]``: what a step with a non-finite or spiking loss / gradient norm does (engine/train/step_health.py)."""
+
+    on_nonfinite: str = _opt("stop", "a non-finite loss or gradient norm: stop (exit 1 naming the step) or skip "
+                                     "the update (batch consumed, LR schedule advances)", choices=("stop", "skip"))
+    loss_spike_sigma: float = _opt(0.0, "skip a step whose loss exceeds the window mean by this many standard "
+                                        "deviations (0: off)")
+    grad_norm_spike_sigma: float = _opt(0.0, "skip a step whose gradient norm (before clipping) exceeds the window "
+                                             "mean by this many standard deviations (0: off)")
+    window: int = _opt(128, "recent accepted steps the spike statistics cover (checked once half of it is filled)")
+    max_consecutive_skips: int = _opt(5, "stop the run after this many skipped steps in a row (0: never)")
+
+
+@dataclass
 class OptimizerSection:
     """``[optimizer]``: AdamW hyperparameters (Loshchilov & Hutter 2019)."""
 

@@ -65,7 +65,7 @@ def range_problems(cfg) -> list[str]:
         (prof.enable and prof.start_step < 1, "profiling.start_step", prof.start_step, "must be >= 1 (a 1-based step)"),
         (prof.enable and prof.num_steps < 1, "profiling.num_steps", prof.num_steps, "must be >= 1"),
     ]
-    checks += checkpoint_problems(cfg.checkpoint)
+    checks += checkpoint_problems(cfg.checkpoint) + step_health_problems(cfg.step_health)
     for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
         degree = getattr(p, name)
         checks.append((degree < 1, f"parallelism.{name}", degree, "must be >= 1 (1 disables it)"))
@@ -117,4 +117,18 @@ def checkpoint_problems(c: CheckpointSection) -> list[tuple[bool, str, Any, str]
          "is only used with checkpoint.enable = true; enable checkpointing or leave load_step = -1"),
         (not c.enable and c.initial_load_path != "", "checkpoint.initial_load_path", c.initial_load_path,
          'is only used with checkpoint.enable = true; enable checkpointing or set it to ""'),
+    ]
+
+
+def step_health_problems(h) -> list[tuple[bool, str, Any, str]]:
+    """Range checks of ``[step_health]`` (engine/train/step_health.py)."""
+    return [
+        (not h.loss_spike_sigma >= 0, "step_health.loss_spike_sigma", h.loss_spike_sigma,
+         "must be >= 0 standard deviations (0 turns the loss spike check off), e.g. 6.0"),
+        (not h.grad_norm_spike_sigma >= 0, "step_health.grad_norm_spike_sigma", h.grad_norm_spike_sigma,
+         "must be >= 0 standard deviations (0 turns the gradient norm spike check off), e.g. 6.0"),
+        (h.window < 2, "step_health.window", h.window,
+         "must be >= 2 accepted steps (a standard deviation needs two values), e.g. 128"),
+        (h.max_consecutive_skips < 0, "step_health.max_consecutive_skips", h.max_consecutive_skips,
+         "must be >= 0 skipped steps in a row (0: never stop for skips), e.g. 5"),
     ]

@@ -356,6 +356,12 @@ class MetricsLogger:
                     self._tb.add_scalar(f"{kind}/{key}", value, step)
             self._tb.flush()
 
+    def log_event(self, kind: str, record: dict[str, Any]) -> None:
+        """One record of ``kind`` (e.g. "skipped_step"): a metrics.jsonl line and its numbers as
+        TensorBoard scalars ``<kind>/<key>``; ``record`` holds ``step``. Written by the logging rank."""
+        if self.is_logging_rank:
+            self._write(kind, record)
+
     def log_validation(self, step: int, loss: float, perplexity: float) -> dict[str, Any]:
         """Report a validation result: console ``step: N  val_loss: x  val_perplexity: y``,
         TensorBoard ``validation/loss``, ``validation/perplexity`` and a jsonl line of kind

@@ -113,5 +113,6 @@ def _build_and_train(cfg, rank: int, trainer_cls, diverged_error) -> int:
             logger.info("received %s: %s, exiting", trainer.stopped_by, done)
         return 0
     if rank == 0:
-        logger.info("training finished after %d steps; run folder: %s", trainer.step, trainer.run_folder)
+        logger.info("training finished after %d steps (%s); run folder: %s", trainer.step,
+                    trainer.step_health.summary(), trainer.run_folder)
     return 0

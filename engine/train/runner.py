@@ -134,6 +134,16 @@ class _Runner:
         return {name: value.item() for name, (value, _) in merged.items()}
 
 
+    def discard_step(self) -> dict[str, float]:
+        """A skipped step (engine/train/step_health.py): let model parts drop what the step's forward
+        accumulated for ``post_optimizer_step`` without applying it (a part may define
+        ``discard_step()``; e.g. MoE routing counts). No collective; returns no metrics."""
+        for part in self.model_parts:
+            if hasattr(part, "discard_step"):
+                part.discard_step()
+        return {}
+
+
 class SingleRunner(_Runner):
     """The whole model as one part (every layout without pipeline parallel).
 

@@ -12,6 +12,7 @@ per step lives in engine/train/runner.py; see engine/docs/architecture.md for th
 from __future__ import annotations
 
 import collections
+import dataclasses
 import gc
 import logging
 import math
@@ -38,6 +39,8 @@ from engine.launch.preflight import check_setup
 from engine.observe.profiling import StepProfiler
 from engine.train.runner import PipelineRunner, SingleRunner, StepContext
 from engine.train.signals import StopRequest
+from engine.train.capsule import capsule_path, write_capsule
+from engine.train.step_health import StepHealth, advance_lr_schedule
 from parallelisms.comm_counter import group_names_by_mesh_dim
 from parallelisms.grad_norm import clip_grad_norm_
 
@@ -47,7 +50,8 @@ HISTORY_STEPS = 1000  # per-step records kept in memory (all of them are in metr
 
 
 class TrainingDivergedError(RuntimeError):
-    """The loss became NaN or Inf; raised on every rank at the same step."""
+    """The loss became NaN or Inf, or step_health.max_consecutive_skips steps in a row were skipped;
+    raised on every rank at the same step (engine/train/step_health.py)."""
 
 
 class AfterStepError(RuntimeError):
@@ -98,6 +102,7 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.step = 0
         self.tokens_seen = 0
+        self.step_health = StepHealth(cfg.step_health)
         self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY_STEPS)
         # What this run trains (engine/config/fingerprint.py), in metrics.jsonl and every checkpoint.
         self.fingerprint = run_fingerprint(config_to_toml(cfg), self.global_batch_size)
@@ -209,21 +214,23 @@ class Trainer:
             params = [p for part in self.model_parts for p in part.parameters()]
             grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_group=self.runner.pp_group)
             lr = self.lr_scheduler.get_last_lr()[0]
-            self.optimizer.step()
-            model_metrics = self.runner.post_optimizer_step()
-            self.lr_scheduler.step()
+            # The step's one read of loss and grad norm (every rank holds the reduced values), taken
+            # before the update so that engine/train/step_health.py can withhold it.
+            loss = self.runner.sum_over_stages(self._dp_sum(loss)).item()
+            grad_norm = grad_norm.item()
+            verdict = self.step_health.judge(self.step + 1, loss, grad_norm)
+            if verdict.skip:  # parameters, optimizer state and model buffers stay as they are
+                model_metrics = self.runner.discard_step()
+                advance_lr_schedule(self.lr_scheduler)
+            else:
+                self.optimizer.step()
+                model_metrics = self.runner.post_optimizer_step()
+                self.lr_scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-
-        loss = self.runner.sum_over_stages(self._dp_sum(loss)).item()
-        grad_norm = grad_norm.item()
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            clip = "" if self.cfg.training.max_norm > 0 else ", or set training.max_norm to clip gradients"
-            raise TrainingDivergedError(
-                f"loss is {loss} (grad_norm {grad_norm}) at step {self.step}: training diverged. Lower "
-                f"optimizer.lr or raise lr_scheduler.warmup_steps{clip}."
-            )
-        record = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": local_tokens,
+        if verdict.reason is not None:
+            self._report_unhealthy(verdict, lr)
+        record = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": local_tokens, "skipped": verdict.reason,
                   "global_tokens": int(global_tokens.item()), "data_seconds": timer.seconds["data"],
                   "epoch": self.dataloader.epoch, "model_metrics": model_metrics}
         compute_seconds = timer.seconds["forward_backward"]
@@ -232,6 +239,29 @@ class Trainer:
         if timer.measure:
             record["phases"] = timer.phases(idle_s=record.get("pp_bubble_fraction", 0.0) * compute_seconds)
         return record
+
+    def _report_unhealthy(self, verdict, lr: float) -> None:
+        """A skipped or fatal step: console line, metrics record and capsule (rank 0; a failure to write
+        them is a warning, so the ranks stay in step); raises :class:`TrainingDivergedError` on every
+        rank, naming the capsule, when the verdict stops the run."""
+        path = capsule_path(self.run_folder, verdict.step)
+        if self.dist.rank == 0:
+            try:
+                write_capsule(path, verdict, loader_state=self.dataloader.state_dict(), lr=lr,
+                              fingerprint=self.fingerprint, world_size=self.dist.world_size,
+                              parallel_dims=self.parallel_dims, thresholds=dataclasses.asdict(self.cfg.step_health),
+                              checkpoint_folder=self.checkpointer.folder if self.cfg.checkpoint.enable else None)
+                self.metrics.log_event("skipped_step", {"step": verdict.step, "reason": verdict.reason,
+                                                        "value": verdict.value, "zscore": verdict.zscore,
+                                                        "skipped_total": self.step_health.skipped})
+            except OSError as error:
+                logger.warning("step %d: capsule or metrics record not written (%s)", verdict.step, error)
+            if verdict.fatal is None:
+                z = "n/a" if verdict.zscore is None else f"{verdict.zscore:.2f}"
+                logger.warning("step %d skipped: %s %s (z-score %s); capsule %s", verdict.step, verdict.reason,
+                               verdict.value, z, path)
+        if verdict.fatal is not None:
+            raise TrainingDivergedError(f"{verdict.fatal}; capsule {path}")
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -257,11 +287,13 @@ class Trainer:
     # ------------------------------------------------------------------ checkpointed state
     def state_dict(self) -> dict:
         """The loop's own state: completed steps and tokens seen (components save theirs)."""
-        return {"step": self.step, "tokens_seen": self.tokens_seen}
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "step_health": self.step_health.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
+        if "step_health" in state:  # absent from checkpoints saved before [step_health] existed
+            self.step_health.load_state_dict(state["step_health"])
 
     # ------------------------------------------------------------------ the loop
     def train(self, steps: int | None = None) -> list[dict]:

@@ -110,6 +110,12 @@ class MoETransformer(Transformer):
         }
         return {name: (values[name], op) for name, op in _METRIC_OPS.items()}
 
+    @torch.no_grad()
+    def discard_step(self) -> None:
+        """A skipped optimizer step: drop its routing counts, leave the balancing biases as they are."""
+        for layer in self.moe_layers():
+            layer.reset_stats()
+
 
 _METRIC_OPS = {
     "moe_tokens_per_expert_min": "min",
