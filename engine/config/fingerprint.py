@@ -39,6 +39,7 @@ _CLASSES: dict[str, dict[str, tuple[str, ...]]] = {
         "optimizer": ("name", "lr", "beta1", "beta2", "eps", "weight_decay"),
         "lr_scheduler": ("warmup_steps", "decay_type", "decay_ratio", "min_lr"),
         "checkpoint": ("initial_load_path", "initial_load_model_only"),
+        "document_mask": ("enable", "restart_positions"),  # what each token attends to, its positions
     },
     NUMERICS: {
         "job": ("device",),
