@@ -249,5 +249,6 @@ class DocumentMaskSection:
 
     enable: bool = _opt(False, "block-causal attention: a token attends only to earlier tokens of its own document "
                                "(Llama 3's mask across documents; documents begin at the tokenizer's BOS)")
-    restart_positions: bool = _opt(False, "with enable: RoPE positions restart at 0 at each document (Megatron-LM's "
-                                          "--reset-position-ids), so a packed document trains as if alone")
+    restart_positions: bool = _opt(False, "RoPE positions restart at 0 at each document (Megatron-LM's "
+                                          "--reset-position-ids); with enable it changes only rounding (RoPE "
+                                          "scores depend on relative positions)")

@@ -60,10 +60,6 @@ def range_problems(cfg) -> list[str]:
     checks.append((p.pp > 1 and not p.grad_sync_each_microbatch, "parallelism.grad_sync_each_microbatch", False,
                    "has no effect with pp > 1 (the pipeline schedule reduces gradients once per step "
                    "itself); leave it true"))
-    dm = cfg.document_mask
-    checks.append((dm.restart_positions and not dm.enable, "document_mask.restart_positions", True,
-                   "restarts positions at the documents that document_mask.enable = true masks; enable it "
-                   "or set restart_positions = false"))
     prof = cfg.profiling
     checks += [
         (prof.enable and prof.start_step < 1, "profiling.start_step", prof.start_step, "must be >= 1 (a 1-based step)"),

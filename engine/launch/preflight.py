@@ -116,7 +116,7 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
     model = resolve_model_setup(cfg)
     tokenizer, vocab = model.tokenizer, model.tokenizer.vocab_size
     spec, args, base_args, label = model.spec, model.args, model.base_args, model.label
-    if cfg.document_mask.enable:
+    if cfg.document_mask.enable or cfg.document_mask.restart_positions:
         from engine.train.documents import require_bos
 
         require_bos(tokenizer.bos_id)

@@ -58,7 +58,7 @@ class StepContext:
 
     def shard(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's tokens of LongTensor[B, S] inputs and labels: [B, S / cp] under context
-        parallel, unchanged otherwise; moved to the device. With document masking the inputs stay
+        parallel, unchanged otherwise; moved to the device. With ``[document_mask]`` on the inputs stay
         whole windows (their document ids need every token): :meth:`model_inputs` cuts them."""
         inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
         if self.context_parallel is None:
@@ -69,8 +69,8 @@ class StepContext:
 
     def model_inputs(self, inputs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(token ids the model embeds, keyword inputs of every model part) of :meth:`shard`'s inputs:
-        ``(inputs, {})`` without document masking, else this rank's tokens and the document ids
-        (and restarted positions) of the whole windows."""
+        ``(inputs, {})`` without ``[document_mask]``, else this rank's tokens and the document ids
+        and/or restarted positions (engine/train/documents.py)."""
         if self.documents is None:
             return inputs, {}
         kwargs = self.documents.model_kwargs(inputs)

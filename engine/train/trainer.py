@@ -156,11 +156,12 @@ class Trainer:
 
     def _document_inputs(self):
         """``[document_mask]``'s model inputs (engine/train/documents.py), or None when it is off."""
-        if not self.cfg.document_mask.enable:
+        dm = self.cfg.document_mask
+        if not (dm.enable or dm.restart_positions):
             return None
         from engine.train.documents import DocumentInputs
 
-        return DocumentInputs(self.tokenizer.bos_id, self.cfg.document_mask.restart_positions, self.context_parallel)
+        return DocumentInputs(self.tokenizer.bos_id, dm.enable, dm.restart_positions, self.context_parallel)
 
     def _build_checkpointer(self) -> CheckpointManager:
         return CheckpointManager(
