@@ -7,10 +7,10 @@ Each layout is one of the parity layouts of the existing test modules with ``[do
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 
+from tests.checkpoint_utils import STEPS, STOP, assert_bitwise_equal, ckpt_args, copy_checkpoint, read_checkpoint, train_run
 from tests.dist_utils import run_distributed
 from tests.test_context_parallel import LAYOUTS as CP_LAYOUTS
 from tests.test_data_parallel import LAYOUTS as DP_LAYOUTS
@@ -40,6 +40,10 @@ LAYOUTS = {
     "pp2_1f1b": (*PP_LAYOUTS["1f1b"], RESTART, "restart"),
     "pp2_interleaved_1f1b": (*PP_LAYOUTS["interleaved_1f1b_2_stages_per_rank"], RESTART, "restart"),
     "pp2_zbv_zero_bubble": (*PP_LAYOUTS["zbv_zero_bubble"], RESTART, "restart"),
+    "pp2_gpipe": (*PP_LAYOUTS["gpipe"], RESTART, "restart"),
+    "pp2_looped_bfs": (*PP_LAYOUTS["looped_bfs"], RESTART, "restart"),
+    "pp2_interleaved_zero_bubble": (*PP_LAYOUTS["interleaved_zero_bubble"], RESTART, "restart"),
+    "pp2_dualpipev": (*PP_LAYOUTS["dualpipev"], RESTART, "restart"),
     "cp2_ring": (*CP_LAYOUTS["cp2_ring"], RESTART, "restart"),
     "cp2_ring_mask_only": (*CP_LAYOUTS["cp2_ring"], MASK, "mask"),
     "cp2_ring_positions_only": (*CP_LAYOUTS["cp2_ring"], POSITIONS, "positions"),
@@ -116,3 +120,40 @@ def test_document_mask_parity_with_one_process(layout, references, runs):
     reference = references[LAYOUTS[layout][3]]
     for history in runs.history(layout):
         assert_parity(history, reference)
+
+
+def test_exact_resume_under_context_parallel(corpus, tmp_path):
+    """Document ids are derived from each batch's tokens, so a resume needs nothing new in the
+    checkpoint: cp2 with masking and restarted positions, resumed from the uninterrupted run's step-5,
+    trains steps 6-10 bit for bit like it (losses and the whole step-10 checkpoint)."""
+    overrides = {**CP_LAYOUTS["cp2_ring"][1], **RESTART, **_data(corpus)}
+    full_folder, stopped = str(tmp_path / "full"), str(tmp_path / "stopped")
+    full = run_distributed(train_run, 2, ckpt_args(full_folder, corpus, overrides), None, None)[0]
+    copy_checkpoint(full_folder, stopped, STOP)
+    for result in run_distributed(train_run, 2, ckpt_args(stopped, corpus, overrides), None, None):
+        assert result["start_step"] == STOP
+        assert result["losses"] == {s: full["losses"][s] for s in range(STOP + 1, STEPS + 1)}
+    got = read_checkpoint(f"{stopped}/checkpoint/step-{STEPS}", str(tmp_path / "got.pt"))
+    want = read_checkpoint(f"{full_folder}/checkpoint/step-{STEPS}", str(tmp_path / "want.pt"))
+    assert_bitwise_equal(got, want, "cp2 with document masking: step-10, resumed vs uninterrupted")
+
+
+def test_a_tokenizer_without_bos_is_refused_at_start_up(monkeypatch, tmp_path):
+    """No BOS, no document boundaries: refused by the pre-flight in one line (never plain causal)."""
+    from engine.config import load_config
+    from engine.data.tokenizer import Tokenizer
+    from engine.launch.preflight import check_setup
+
+    init = Tokenizer.__init__
+
+    def without_bos(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.bos_id = -1
+
+    monkeypatch.setattr(Tokenizer, "__init__", without_bos)
+    for masking in (MASK, POSITIONS):
+        cfg = load_config(base_args(str(tmp_path), masking))
+        cfg.validate()
+        with pytest.raises(ValueError, match=r"^document_mask.enable / restart_positions need a tokenizer with a BOS"):
+            check_setup(cfg, 1, "cpu", check_data=False)
+    check_setup(load_config(base_args(str(tmp_path))), 1, "cpu", check_data=False)  # off: accepted
