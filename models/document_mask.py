@@ -119,8 +119,5 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docume
         raise ValueError(f"document ids of shape {tuple(documents.shape)} for attention over [B={bs}, S={seqlen}]")
     if q.device.type == "cuda":
         return _flex_attention()(q, k, v, block_mask=_block_mask(documents, seqlen))
-    if not torch.compiler.is_compiling() and bool((documents[:, 0] == documents[:, -1]).all()):
-        # One document per window: today's causal kernel, bit for bit (a free check on the CPU).
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     pos = torch.arange(seqlen, device=q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(documents, documents, pos, pos))

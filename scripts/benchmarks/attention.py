@@ -3,8 +3,7 @@
 One forward + backward of ``document_attention`` and of ``F.scaled_dot_product_attention(is_causal=True)``
 on the same q, k, v at the debug model's shape (B sequences, 16 heads of 16 channels, S tokens),
 alternating in blocks (scripts/benchmarks/harness.py ``interleave``); the windows hold documents of
-the short-document corpus's median length (22 tokens + BOS/EOS), so the masked path always builds its
-mask (a window of one document takes the causal kernel).
+the short-document corpus's median length (22 tokens + BOS/EOS).
 """
 
 from __future__ import annotations
