@@ -15,7 +15,8 @@ document (Megatron-LM's ``--reset-position-ids``; packed fine-tuning with per-ex
 so a document in a window is computed exactly as it would be alone.
 
 Kernels (:func:`document_attention`): on CUDA, FlexAttention (``torch.nn.attention.flex_attention``,
-Dong et al. 2024, arXiv 2412.05496) with a ``BlockMask`` built from the document ids: no S x S mask
+Dong et al. 2024, arXiv 2412.05496) with a ``BlockMask`` built from the document ids once per model
+forward, outside the blocks (which compile with fullgraph, :func:`attention_inputs`): no S x S mask
 or score matrix exists and fully masked 128 x 128 tiles are skipped. Elsewhere (the CPU, where torch
 2.13's FlexAttention has no backward) a dense boolean mask [B, 1, S, S] for
 ``F.scaled_dot_product_attention``: B·S² bytes, for debug sizes.
@@ -26,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["document_ids", "document_positions", "document_mask", "document_attention"]
+__all__ = ["document_ids", "document_positions", "document_mask", "block_mask", "attention_inputs", "document_attention"]
 
 
 def document_ids(tokens: torch.Tensor, bos_id: int) -> torch.Tensor:
@@ -69,55 +70,60 @@ def document_mask(q_docs: torch.Tensor, k_docs: torch.Tensor, q_pos: torch.Tenso
     return (causal & (q_docs[:, :, None] == k_docs[:, None, :])).unsqueeze(1)
 
 
-_flex = None  # torch.compile(flex_attention), built on first CUDA use
-_block_mask_cache: tuple | None = None  # (documents tensor, its version, BlockMask): one entry
+_compiled: dict = {}  # torch.compile'd flex_attention and create_block_mask, built on first CUDA use
 
 
-def _flex_attention():
-    global _flex
-    if _flex is None:
-        from torch.nn.attention.flex_attention import flex_attention
+def _compiled_fn(name: str):
+    if name not in _compiled:
+        from torch.nn.attention import flex_attention as flex
 
-        # Uncompiled, flex_attention runs an unfused reference that materializes the scores.
-        _flex = torch.compile(flex_attention, dynamic=False)
-    return _flex
+        # Uncompiled, flex_attention runs an unfused reference that materializes the scores, and
+        # create_block_mask evaluates the mask densely before reducing it to blocks.
+        _compiled[name] = torch.compile(getattr(flex, name), dynamic=False)
+    return _compiled[name]
 
 
-@torch.compiler.disable
-def _block_mask(documents: torch.Tensor, seqlen: int):
-    """FlexAttention ``BlockMask`` of the block-causal mask of ``documents`` [B, S] (S = seqlen),
-    cached for the last documents tensor seen (every layer of a forward, and its recomputation,
-    passes the same one)."""
-    global _block_mask_cache
-    from torch.nn.attention.flex_attention import create_block_mask
+def block_mask(documents: torch.Tensor):
+    """FlexAttention ``BlockMask`` of the block-causal mask of ``documents`` (int [B, S]): per 128 x 128
+    tile, which tiles are partly or fully visible (int32 indices, 16·B·(S/128)² bytes; no S x S tensor).
 
-    cached = _block_mask_cache
-    if cached is not None and cached[0] is documents and cached[1] == documents._version:
-        return cached[2]
-
+    Raises:
+        RuntimeError: from torch, where FlexAttention cannot compile (e.g. no Triton for the device).
+    """
     def mask_mod(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (documents[b, q_idx] == documents[b, kv_idx])
 
-    block_mask = create_block_mask(mask_mod, documents.shape[0], None, seqlen, seqlen, device=documents.device)
-    _block_mask_cache = (documents, documents._version, block_mask)
-    return block_mask
+    bs, seqlen = documents.shape
+    return _compiled_fn("create_block_mask")(mask_mod, bs, None, seqlen, seqlen, device=documents.device)
 
 
-def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
+def attention_inputs(documents: torch.Tensor | None, layers) -> object:
+    """What a model part's blocks receive as ``documents``: the document ids [B, S] themselves, or, on
+    CUDA where the blocks attend over their own sequence (no context-parallel ``attention_fn``), the
+    :func:`block_mask` built once per forward, outside the (compiled) blocks."""
+    if documents is None or documents.device.type != "cuda":
+        return documents
+    if any(getattr(layer.attention, "attention_fn", None) is not None for layer in layers):
+        return documents  # context parallel masks each block pair from the ids
+    return block_mask(documents)
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents) -> torch.Tensor:
     """Block-causal attention of a whole (not context-parallel) window.
 
     Args:
         q, k, v: [B, H, S, head_dim] (same head count: GQA heads repeated).
-        documents: int [B, S] document ids of the S tokens (:func:`document_ids`).
+        documents: int [B, S] document ids of the S tokens (:func:`document_ids`): a dense mask for
+            SDPA; or their :func:`block_mask` (CUDA): FlexAttention.
     Returns:
         [B, H, S, head_dim]; with one document per window it equals causal attention.
     Raises:
         ValueError: ``documents`` is not [B, S] for the B, S of ``q``.
     """
     bs, _, seqlen, _ = q.shape
+    if not isinstance(documents, torch.Tensor):  # a BlockMask
+        return _compiled_fn("flex_attention")(q, k, v, block_mask=documents)
     if documents.shape != (bs, seqlen):
         raise ValueError(f"document ids of shape {tuple(documents.shape)} for attention over [B={bs}, S={seqlen}]")
-    if q.device.type == "cuda":
-        return _flex_attention()(q, k, v, block_mask=_block_mask(documents, seqlen))
     pos = torch.arange(seqlen, device=q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(documents, documents, pos, pos))

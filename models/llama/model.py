@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.document_mask import document_attention
+from models.document_mask import attention_inputs, document_attention
 from models.init_utils import _init_tensor_, init_generator
 from models.llama.args import LlamaModelArgs
 
@@ -128,10 +128,10 @@ class Attention(nn.Module):
         self.attention_fn = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+                documents=None) -> torch.Tensor:
         """x: [B, S, dim]; cos/sin: [(B,) >= S, head_dim // 2] (rows for positions 0..); documents:
-        None (causal) or int [B, S_window] ids of the whole window (block-causal, models/document_mask.py;
-        S_window = S except under context parallel). Returns [B, S, dim].
+        None (causal), int [B, S_window] ids of the whole window (S_window = S except under context
+        parallel) or, on CUDA, their BlockMask (block-causal: models/document_mask.py). Returns [B, S, dim].
 
         Raises:
             ValueError: the RoPE tables have fewer than S rows.
@@ -216,7 +216,7 @@ class TransformerBlock(nn.Module):
         self.weight_init_std = 0.02 / math.sqrt(2 * depth)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+                documents=None) -> torch.Tensor:
         """x: [B, S, dim]; cos/sin: [(B,) >= S, head_dim // 2]; documents: see Attention. Returns [B, S, dim].
 
         Under sequence parallel x and the result are sequence shards [B, S/tp, dim].
@@ -309,7 +309,7 @@ class Transformer(nn.Module):
         # tokens.shape[1] is the full S for token ids; a hidden state from an earlier pipeline stage
         # may already be a sequence-parallel shard of it.
         cos, sin = self._rope_tables(tokens.shape[1], positions, exact=self.tok_embeddings is not None)
-        extra = {} if documents is None else {"documents": documents}
+        extra = {} if documents is None else {"documents": attention_inputs(documents, self.layers.values())}
         for layer in self.layers.values():
             h = layer(h, cos, sin, **extra)
         if self.norm is not None:
