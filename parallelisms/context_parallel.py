@@ -58,14 +58,15 @@ def apply_cp(model: nn.Module, context_parallel: "ContextParallel", *, rotate_me
 
 
 class _CPAttention:
-    """Callable ``(q, k, v) -> out`` on [B, H, S/cp, head_dim] local blocks, causal over the whole sequence."""
+    """Callable ``(q, k, v, documents=None) -> out`` on [B, H, S/cp, head_dim] local blocks, causal
+    (block-causal over ``documents``, int [B, S] of the whole window) over the whole sequence."""
 
     def __init__(self, method, positions: torch.Tensor, cp_mesh: DeviceMesh):
         self.method, self.positions, self.mesh = method, positions, cp_mesh
 
-    def __call__(self, q, k, v):
+    def __call__(self, q, k, v, documents=None):
         positions = self.positions.to(q.device)
-        return self.method(q, k, v, positions, self.mesh.get_group())
+        return self.method(q, k, v, positions, self.mesh.get_group(), documents)
 
 
 class ContextParallel:

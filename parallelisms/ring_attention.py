@@ -12,6 +12,11 @@ K/V gradients around the ring with their blocks, so they arrive back at their ow
 circle. Causality is exact for any token placement: a query at global position i sees keys at
 positions <= i, from the positions each rank holds (contiguous or load-balanced).
 
+With document ids (models/document_mask.py; every rank holds those of the whole window) each block
+pair's mask is also restricted to keys of the query's own document (block-causal, Llama 3 §3.2),
+and a block pair with no visible (query, key) pair in any sequence of the batch is skipped: no
+matmul, no exchange beyond the ring's own.
+
 This is a reference implementation in plain matmuls (memory O((S/cp)²) per block, no fused kernel):
 it runs on every device and is the CPU path; GPUs would want a flash kernel per block.
 """
@@ -43,6 +48,17 @@ def _block_forward(q, k, mask, scale):
     return scores.masked_fill(~mask, float("-inf"))
 
 
+def _pair_mask(positions, rank, source, documents):
+    """bool mask of the queries of cp rank ``rank`` over the keys of ``source``: [Sl, Sk] causal,
+    or [B, 1, Sl, Sk] block-causal when ``documents`` (int [B, S], the whole window) is given."""
+    q_pos, k_pos = positions[rank], positions[source].reshape(-1)
+    causal = q_pos[:, None] >= k_pos[None, :]
+    if documents is None:
+        return causal
+    same = documents[:, q_pos][:, :, None] == documents[:, k_pos][:, None, :]
+    return (causal & same).unsqueeze(1)
+
+
 def _merge(out, lse, out_b, lse_b):
     """Log-sum-exp merge of two partial attention results; rows with no visible key stay -inf."""
     new_lse = torch.logaddexp(lse, lse_b)
@@ -54,8 +70,9 @@ def _merge(out, lse, out_b, lse_b):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, positions, group):
-        # q, k, v: [B, H, Sl, D]; positions: [cp, Sl] global positions held by each cp rank.
+    def forward(ctx, q, k, v, positions, group, documents):
+        # q, k, v: [B, H, Sl, D]; positions: [cp, Sl] global positions held by each cp rank;
+        # documents: None (causal) or int [B, S] document ids of the whole window.
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         compute = torch.promote_types(q.dtype, torch.float32)
         qc = q.to(compute)
@@ -67,7 +84,7 @@ class _RingAttention(torch.autograd.Function):
             source = (rank - step) % size
             if step + 1 < size:
                 incoming = _ring_exchange(list(kv), group)  # overlaps nothing on gloo, but keeps the ring
-            mask = positions[rank][:, None] >= positions[source][None, :]
+            mask = _pair_mask(positions, rank, source, documents)
             if mask.any():
                 scores = _block_forward(qc, kv[0].to(compute), mask, scale)
                 lse_b = torch.logsumexp(scores, dim=-1)
@@ -76,13 +93,13 @@ class _RingAttention(torch.autograd.Function):
                 out, lse = _merge(out, lse, out_b, lse_b)
             if step + 1 < size:
                 kv = tuple(incoming)
-        ctx.save_for_backward(q, k, v, positions, out, lse)
+        ctx.save_for_backward(q, k, v, positions, out, lse, documents)
         ctx.group = group
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, positions, out, lse = ctx.saved_tensors
+        q, k, v, positions, out, lse, documents = ctx.saved_tensors
         group = ctx.group
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         compute = out.dtype
@@ -95,7 +112,7 @@ class _RingAttention(torch.autograd.Function):
         dv_blk = torch.zeros(v.shape, dtype=compute, device=v.device)
         for step in range(size):
             source = (rank - step) % size
-            mask = positions[rank][:, None] >= positions[source][None, :]
+            mask = _pair_mask(positions, rank, source, documents)
             if mask.any():
                 kc, vc = k_blk.to(compute), v_blk.to(compute)
                 scores = _block_forward(qc, kc, mask, scale)
@@ -110,11 +127,12 @@ class _RingAttention(torch.autograd.Function):
                 k_blk, v_blk, dk_blk, dv_blk = _ring_exchange([k_blk, v_blk, dk_blk, dv_blk], group)
             elif size > 1:
                 dk_blk, dv_blk = _ring_exchange([dk_blk, dv_blk], group)
-        return dq.to(q.dtype), dk_blk.to(k.dtype), dv_blk.to(v.dtype), None, None
+        return dq.to(q.dtype), dk_blk.to(k.dtype), dv_blk.to(v.dtype), None, None, None
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, group: dist.ProcessGroup
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, group: dist.ProcessGroup,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the local queries over the whole (cp-split) sequence, by ring exchange.
 
@@ -122,24 +140,25 @@ def ring_attention(
         q, k, v: [B, H, S/cp, head_dim] local blocks (same head count: repeat GQA heads first).
         positions: LongTensor[cp, S/cp], the global positions held by each rank of ``group``.
         group: the cp process group.
+        documents: None, or int [B, S] document ids of the whole window (block-causal attention).
 
     Returns:
-        [B, H, S/cp, head_dim], equal to the matching rows of full causal attention.
+        [B, H, S/cp, head_dim], equal to the matching rows of full causal (block-causal) attention.
     """
-    return _RingAttention.apply(q, k, v, positions, group)
+    return _RingAttention.apply(q, k, v, positions, group, documents)
 
 
 def allgather_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, group: dist.ProcessGroup
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, group: dist.ProcessGroup,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The same result by all-gathering K/V once (more memory, fewer steps; autograd reduce-scatters
     the K/V gradients back). Shapes as :func:`ring_attention`."""
     from torch.distributed._functional_collectives import all_gather_single_autograd
 
-    size = dist.get_world_size(group)
     rank = dist.get_rank(group)
     # Gather along a leading dim, then lay the blocks out along the sequence in rank order.
     k_all = all_gather_single_autograd(k.contiguous(), gather_dim=2, group=group)
     v_all = all_gather_single_autograd(v.contiguous(), gather_dim=2, group=group)
-    mask = positions[rank][:, None] >= positions.reshape(size * positions.shape[1])[None, :]
+    mask = _pair_mask(positions, rank, slice(None), documents)
     return torch.nn.functional.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)

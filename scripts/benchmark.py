@@ -22,6 +22,9 @@ Cases (debugmodel, fp32, CPU, gloo; one intra-op thread per rank):
   ``grad_sync_each_microbatch`` true / false (the memory price of one reduction per step).
 - ``ac_compile``: step time with activation checkpointing (full, selective) and with compile
   (inductor where a C++ compiler exists, else aot_eager), over eager without AC.
+- ``document_mask``: block-causal attention over packed documents (``[document_mask]``) vs plain
+  causal: attention alone (forward + backward at the debug shape, scripts/benchmarks/attention.py),
+  and the engine's step with ``document_mask.enable`` on vs off, interleaved.
 - ``data``: prepared data (scripts/benchmarks/data.py): synthetic prepared corpora of 10^7 and 10^9
   tokens (2 GB, written and deleted here); time to the first batch and resident memory added by
   the loader in a fresh process, resume at window 10^8 vs 0, the loader's tokens/s over the debug
@@ -56,7 +59,7 @@ from scripts.benchmarks import runs  # noqa: E402
 from scripts.benchmarks.harness import MachineBusyError, Stat, guard_load, interleave, ratio_stat  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 
-CASES = ("loop", "scaling", "comm", "memory", "ac_compile", "data")
+CASES = ("loop", "scaling", "comm", "memory", "ac_compile", "document_mask", "data")
 OPTIONAL_CASES = ("data_prepare",)  # run only when named in --only
 FSDP2 = {"parallelism.dp_shard": 2}
 DDP2 = {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 1}
@@ -225,6 +228,20 @@ def case_ac_compile(b: Bench) -> None:
             out[name] = stat.as_dict()
             b.row("ac_compile", f"{name} step / eager", _fmt_ratio(stat))
     b.results["ac_compile"] = out
+
+
+def case_document_mask(b: Bench) -> None:
+    from scripts.benchmarks.attention import attention_step_seconds
+
+    alone = attention_step_seconds(b.local_batch_size, b.seq_len, max(2, b.rounds))
+    variants = {"plain": {}, "masked": {"document_mask.enable": "true"}}
+    steps = interleave({name: (lambda o=o, n=name: b.timed(f"dm_{n}", 1, o, independent=True)[0]["step_s"])
+                        for name, o in variants.items()}, max(2, b.rounds // 2))
+    attention, step = ratio_stat(alone["masked"], alone["causal"]), ratio_stat(steps["masked"], steps["plain"])
+    b.results["document_mask"] = {"attention": alone, "steps": steps, "attention_ratio": attention.as_dict(),
+                                  "step_ratio": step.as_dict()}
+    b.row("document_mask", "block-causal attention fwd+bwd / causal SDPA (debug shape)", _fmt_ratio(attention))
+    b.row("document_mask", "engine step, document_mask.enable / off", _fmt_ratio(step))
 
 
 def case_data(b: Bench) -> None:

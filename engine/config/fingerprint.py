@@ -41,6 +41,7 @@ _CLASSES: dict[str, dict[str, tuple[str, ...]]] = {
         "checkpoint": ("initial_load_path", "initial_load_model_only"),
         # Which updates are applied: a skipped step trains nothing, so the same data gives another model.
         "step_health": ("on_nonfinite", "loss_spike_sigma", "grad_norm_spike_sigma", "window"),
+        "document_mask": ("enable", "restart_positions"),  # what each token attends to, its positions
     },
     NUMERICS: {
         "job": ("device",),

@@ -31,7 +31,7 @@ else:  # pragma: no cover - exercised only on Python 3.10
 from engine.config.toml_format import cli_value, toml_value
 from engine.config.validation import config_warnings, range_problems
 from engine.config.schema import (  # the section dataclasses, re-exported for type hints
-    ActivationCheckpointSection, CheckpointSection, CommSection, CompileSection, DataSection,
+    ActivationCheckpointSection, CheckpointSection, CommSection, CompileSection, DataSection, DocumentMaskSection,
     JobSection, LRSchedulerSection, MetricsSection, ModelSection, OptimizerSection,
     ParallelismSection, ProfilingSection, StepHealthSection, TrainingSection, ValidationSection,
 )
@@ -68,6 +68,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpointSection = field(default_factory=ActivationCheckpointSection)
     compile: CompileSection = field(default_factory=CompileSection)
     profiling: ProfilingSection = field(default_factory=ProfilingSection)
+    document_mask: DocumentMaskSection = field(default_factory=DocumentMaskSection)
 
     @property
     def run_folder(self) -> str:

@@ -255,3 +255,14 @@ class CompileSection:
 
     enable: bool = _opt(False, "torch.compile the model blocks")
     backend: str = _opt("inductor", "torch.compile backend")
+
+
+@dataclass
+class DocumentMaskSection:
+    """``[document_mask]``: attention within each packed document (models/document_mask.py)."""
+
+    enable: bool = _opt(False, "block-causal attention: a token attends only to earlier tokens of its own document "
+                               "(Llama 3's mask across documents; documents begin at the tokenizer's BOS)")
+    restart_positions: bool = _opt(False, "RoPE positions restart at 0 at each document (Megatron-LM's "
+                                          "--reset-position-ids); with enable it changes only rounding (RoPE "
+                                          "scores depend on relative positions)")

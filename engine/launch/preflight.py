@@ -118,6 +118,10 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
     model = resolve_model_setup(cfg)
     tokenizer, vocab = model.tokenizer, model.tokenizer.vocab_size
     spec, args, base_args, label = model.spec, model.args, model.base_args, model.label
+    if cfg.document_mask.enable or cfg.document_mask.restart_positions:
+        from engine.train.documents import require_bos
+
+        require_bos(tokenizer.bos_id)
     if spec.validate_parallelism_fn is not None:  # heads % tp, experts % ep, ...
         spec.validate_parallelism_fn(args, p, seq_len=t.seq_len, device_type=device_type,
                                      compile_enabled=cfg.compile.enable)

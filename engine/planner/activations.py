@@ -106,4 +106,41 @@ def activation_bytes(layout, pp_rank: int = 0) -> int:
     backward = backward_temporary_bytes(layout)
     if ac in ("full", "every"):
         backward += block_activation_bytes(layout, "none")
-    return per_mb * in_flight + max(head_peak_bytes(layout) if has_last else 0, backward)
+    return (per_mb * in_flight + max(head_peak_bytes(layout) if has_last else 0, backward)
+            + document_mask_bytes(layout, n_layers, in_flight))
+
+
+FLEX_BLOCK = 128  # FlexAttention's default sparse block (tokens per side)
+
+
+def document_mask_bytes(layout, n_layers: int, in_flight: int) -> int:
+    """Bytes ``[document_mask]`` adds to a rank's peak (models/document_mask.py), with b sequences of
+    S tokens per microbatch, s = S / cp local tokens, ``n_layers`` blocks on the rank and
+    ``in_flight`` microbatches alive:
+
+    - kept per microbatch: the int32 document ids of whole windows (4·b·S); with restart_positions
+      the int64 positions (8·b·s) and per-sequence fp32 cos/sin tables (2·4·b·s·head_dim/2);
+    - the mask, with ``enable``: under context parallel one block pair's bool mask at a time
+      (b·s², rebuilt in backward, never saved); else on CUDA the FlexAttention ``BlockMask``
+      (int32 indices of partial and full blocks, by rows and by columns: 4·4·b·n², n = ⌈S/128⌉,
+      shared by the layers); on the CPU the dense mask SDPA saves per layer, as a float additive
+      mask in the compute dtype (n_layers·B·b·S², B bytes per element) plus the bool one being built.
+    """
+    dm = layout.cfg.document_mask
+    if not (dm.enable or dm.restart_positions):
+        return 0
+    b, S, cp = layout.microbatch_size, layout.seq_len, layout.cp
+    s = S // cp
+    kept = 4 * b * S
+    if dm.restart_positions:
+        kept += 8 * b * s + 2 * 4 * b * s * (layout.model_args.head_dim // 2)
+    transient = 0
+    if dm.enable and cp > 1:
+        transient = b * s * s
+    elif dm.enable and layout.device_type == "cuda":
+        n = -(-S // FLEX_BLOCK)
+        kept += 4 * 4 * b * n * n + 4 * 4 * b * n
+    elif dm.enable:
+        kept += n_layers * layout.param_bytes * b * S * S
+        transient = b * S * S
+    return kept * in_flight + transient

@@ -4,7 +4,8 @@ The trainer never branches on the parallel style (the shape of OLMo-core's train
 
 - :class:`StepContext` holds what every step needs from the layout, built once: the context-parallel
   sharding of inputs and labels and the RoPE rows of this rank's positions, bf16 autocast (when no
-  FSDP/DDP mixed-precision policy applies it), and tensor parallel's ``loss_parallel``.
+  FSDP/DDP mixed-precision policy applies it), tensor parallel's ``loss_parallel``, and the document
+  masking inputs of the model (engine/train/documents.py).
 - :class:`SingleRunner` (the whole model as one part) and :class:`PipelineRunner` (this rank's
   pipeline stages, driven by a ``torch.distributed.pipelining`` schedule) own the forward/backward
   of the step's microbatches, evaluation, the sum of the loss over pipeline stages and the
@@ -42,23 +43,40 @@ class StepContext:
         context_parallel: the run's cp layout, or None without context parallel.
         autocast_bf16: run forward under bf16 autocast (mixed precision without an FSDP/DDP policy).
         loss_parallel: tensor parallel leaves the logits sharded on the vocabulary dim.
+        documents: document masking's inputs (``DocumentInputs``), or None for causal attention.
     """
 
     def __init__(self, model_parts: list[nn.Module], device: torch.device, *,
-                 context_parallel: ContextParallel | None, autocast_bf16: bool, loss_parallel: bool):
+                 context_parallel: ContextParallel | None, autocast_bf16: bool, loss_parallel: bool,
+                 documents=None):
         self.model_parts = model_parts
         self.device = device
         self.context_parallel = context_parallel
         self.autocast_bf16 = autocast_bf16
         self.loss_parallel = loss_parallel
+        self.documents = documents
 
     def shard(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's tokens of LongTensor[B, S] inputs and labels: [B, S / cp] under context
-        parallel, unchanged otherwise; moved to the device."""
+        parallel, unchanged otherwise; moved to the device. With ``[document_mask]`` on the inputs stay
+        whole windows (their document ids need every token): :meth:`model_inputs` cuts them."""
         inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
         if self.context_parallel is None:
             return inputs, labels
+        if self.documents is not None:
+            return inputs, self.context_parallel.shard(labels)
         return self.context_parallel.shard(inputs), self.context_parallel.shard(labels)
+
+    def model_inputs(self, inputs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(token ids the model embeds, keyword inputs of every model part) of :meth:`shard`'s inputs:
+        ``(inputs, {})`` without ``[document_mask]``, else this rank's tokens and the document ids
+        and/or restarted positions (engine/train/documents.py)."""
+        if self.documents is None:
+            return inputs, {}
+        kwargs = self.documents.model_kwargs(inputs)
+        if self.context_parallel is not None:
+            inputs = self.context_parallel.shard(inputs)
+        return inputs, kwargs
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """bf16 autocast for the forward, or a no-op."""
@@ -71,7 +89,9 @@ class StepContext:
         """Around a microbatch's forward, loss and backward: ``loss_parallel()`` when the logits are
         vocab-sharded (its loss is a Replicate DTensor, see ``to_local``), and the RoPE rows of this
         cp rank's positions."""
-        cp = self.context_parallel.rope_positions(self.model_parts) if self.context_parallel else contextlib.nullcontext()
+        # Restarted document positions come as per-token positions instead (model_inputs).
+        swap = self.context_parallel is not None and not (self.documents and self.documents.restart_positions)
+        cp = self.context_parallel.rope_positions(self.model_parts) if swap else contextlib.nullcontext()
         with loss_parallel_context(self.loss_parallel), cp:
             yield
 
@@ -166,8 +186,9 @@ class SingleRunner(_Runner):
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor) -> torch.Tensor:
         """One microbatch: LongTensor[B, S] inputs/labels -> its loss contribution (detached)."""
+        inputs, kwargs = self.context.model_inputs(inputs)
         with self.context.autocast():
-            logits = self.model_parts[0](inputs)
+            logits = self.model_parts[0](inputs, **kwargs)
         loss = token_sum_loss(logits, labels, global_tokens)
         del logits
         loss.backward()
@@ -175,8 +196,9 @@ class SingleRunner(_Runner):
 
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(token-sum loss in fp64, label tokens) of one batch, forward only."""
+        inputs, kwargs = self.context.model_inputs(inputs)
         with self.context.autocast(), self.context.loss_and_positions():
-            loss = to_local(token_sum_loss(self.model_parts[0](inputs), labels)).double()
+            loss = to_local(token_sum_loss(self.model_parts[0](inputs, **kwargs), labels)).double()
         return loss, (labels != IGNORE_INDEX).sum()
 
 
@@ -213,6 +235,7 @@ class PipelineRunner(_Runner):
             The batch's loss contribution (token sum / global_tokens) on the last stage, 0 elsewhere.
         """
         losses: list[torch.Tensor] | None = [] if self.has_last else None
+        inputs, kwargs = self.context.model_inputs(inputs)  # kwargs reach every stage, cut per microbatch
         args = (inputs,) if self.has_first else ()
         with self.context.autocast():
             self.schedule.step(
@@ -221,6 +244,7 @@ class PipelineRunner(_Runner):
                 losses=losses,
                 return_outputs=False,
                 loss_kwargs={"global_tokens": global_tokens},
+                **kwargs,
             )
         if losses:
             return torch.stack([to_local(loss.detach()) for loss in losses]).sum()
@@ -231,9 +255,10 @@ class PipelineRunner(_Runner):
         """Forward only (``schedule.eval``): (token-sum loss, label tokens) on the last stage, zeros
         elsewhere (:meth:`sum_over_stages` shares them)."""
         losses: list[torch.Tensor] = []
+        inputs, kwargs = self.context.model_inputs(inputs)
         args = (inputs,) if self.has_first else ()
         with self.context.autocast(), self.context.loss_and_positions(), evaluation_order(self.schedule, self.plan, self.pp_size):
-            self.schedule.eval(*args, target=labels if self.has_last else None, losses=losses)
+            self.schedule.eval(*args, target=labels if self.has_last else None, losses=losses, **kwargs)
         total = torch.zeros((), device=self.context.device, dtype=torch.float64)
         for loss in losses:  # a Replicate DTensor under loss parallel (tensor parallel on the last stage)
             total += to_local(loss).double()

@@ -152,11 +152,21 @@ class Trainer:
             self.model_parts, self.device, context_parallel=self.context_parallel,
             autocast_bf16=self.cfg.training.mixed_precision_param == "bfloat16" and not wrapped,
             loss_parallel=dims.tp_enabled and self.cfg.parallelism.loss_parallel,
+            documents=self._document_inputs(),
         )
         if self.pp_plan is None:
             return SingleRunner(self.model_parts, context,
                                 sync_each_microbatch=self.cfg.parallelism.grad_sync_each_microbatch)
         return PipelineRunner(self.pp_plan, self.model_parts, dims.mesh("pp"), context)
+
+    def _document_inputs(self):
+        """``[document_mask]``'s model inputs (engine/train/documents.py), or None when it is off."""
+        dm = self.cfg.document_mask
+        if not (dm.enable or dm.restart_positions):
+            return None
+        from engine.train.documents import DocumentInputs
+
+        return DocumentInputs(self.tokenizer.bos_id, dm.enable, dm.restart_positions, self.context_parallel)
 
     def _build_checkpointer(self) -> CheckpointManager:
         return CheckpointManager(

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.document_mask import attention_inputs, document_attention
 from models.init_utils import _init_tensor_, init_generator
 from models.llama.args import LlamaModelArgs
 
@@ -78,14 +79,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
     Args:
         x: [B, S, H, head_dim] queries or keys.
-        cos, sin: [S, head_dim // 2] float32 tables for the S positions of `x`.
+        cos, sin: [S, head_dim // 2] float32 tables for the S positions of `x`, or [B, S, head_dim // 2]
+            when each sequence has its own positions (RoPE restarting at each packed document).
     Returns:
         [B, S, H, head_dim] in the dtype of `x` (the rotation itself runs in float32).
     """
     pairs = x.float().unflatten(-1, (-1, 2))  # [B, S, H, head_dim/2, 2]
     x0, x1 = pairs.unbind(-1)
-    cos = cos[None, :, None, :]
-    sin = sin[None, :, None, :]
+    cos = cos.unsqueeze(-2) if cos.dim() == 3 else cos[None, :, None, :]
+    sin = sin.unsqueeze(-2) if sin.dim() == 3 else sin[None, :, None, :]
     rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)
 
@@ -121,12 +123,15 @@ class Attention(nn.Module):
             self.q_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps)
             self.k_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps)
         self.qk_norm = args.qk_norm
-        # (q, k, v) -> out on [B, H, S, head_dim]; None is causal SDPA over the local sequence.
-        # Context parallel binds a function that attends over the whole cp-split sequence.
+        # (q, k, v[, documents=]) -> out on [B, H, S, head_dim]; None is causal SDPA over the local
+        # sequence. Context parallel binds a function that attends over the whole cp-split sequence.
         self.attention_fn = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [B, S, dim]; cos/sin: [>= S, head_dim // 2] (rows for positions 0..). Returns [B, S, dim].
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents=None) -> torch.Tensor:
+        """x: [B, S, dim]; cos/sin: [(B,) >= S, head_dim // 2] (rows for positions 0..); documents:
+        None (causal), int [B, S_window] ids of the whole window (S_window = S except under context
+        parallel) or, on CUDA, their BlockMask (block-causal: models/document_mask.py). Returns [B, S, dim].
 
         Raises:
             ValueError: the RoPE tables have fewer than S rows.
@@ -135,12 +140,12 @@ class Attention(nn.Module):
         # Only here is the full S known: under sequence parallel the blocks receive sequence shards
         # and tensor parallel gathers them just before attention, so the model hands over tables
         # covering every position and attention takes the first S rows.
-        if seqlen > cos.shape[0]:
+        if seqlen > cos.shape[-2]:
             raise ValueError(
-                f"attention over {seqlen} positions but the RoPE tables cover {cos.shape[0]}: pass "
+                f"attention over {seqlen} positions but the RoPE tables cover {cos.shape[-2]}: pass "
                 f"positions for every token, or a sequence of at most max_seq_len tokens"
             )
-        cos, sin = cos[:seqlen], sin[:seqlen]
+        cos, sin = cos[..., :seqlen, :], sin[..., :seqlen, :]
         # -1, not n_heads: under tensor parallel each rank holds only its share of the heads.
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
@@ -155,10 +160,13 @@ class Attention(nn.Module):
             xk = xk.repeat_interleave(n_rep, dim=2)
             xv = xv.repeat_interleave(n_rep, dim=2)
         xq, xk, xv = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
-        if self.attention_fn is None:
-            out = F.scaled_dot_product_attention(xq, xk, xv, is_causal=True)  # [B, H, S, head_dim]
+        if self.attention_fn is not None:
+            extra = {} if documents is None else {"documents": documents}
+            out = self.attention_fn(xq, xk, xv, **extra)
+        elif documents is not None:
+            out = document_attention(xq, xk, xv, documents)
         else:
-            out = self.attention_fn(xq, xk, xv)
+            out = F.scaled_dot_product_attention(xq, xk, xv, is_causal=True)  # [B, H, S, head_dim]
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
     def init_weights(self, init_std: float, seed: int, prefix: str) -> None:
@@ -207,12 +215,14 @@ class TransformerBlock(nn.Module):
         depth = (layer_id + 1) if args.depth_init else args.n_layers
         self.weight_init_std = 0.02 / math.sqrt(2 * depth)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [B, S, dim]; cos/sin: [>= S, head_dim // 2]. Returns [B, S, dim].
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents=None) -> torch.Tensor:
+        """x: [B, S, dim]; cos/sin: [(B,) >= S, head_dim // 2]; documents: see Attention. Returns [B, S, dim].
 
         Under sequence parallel x and the result are sequence shards [B, S/tp, dim].
         """
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+        # documents by keyword: tensor parallel's input hook on attention lays out positional inputs only.
+        h = x + self.attention(self.attention_norm(x), cos, sin, documents=documents)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self, seed: int = 0) -> None:
@@ -266,14 +276,17 @@ class Transformer(nn.Module):
         self._tie_weights()
         return result
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         """Run the (partial) model.
 
         Args:
             tokens: LongTensor [B, S] token ids if this part has tok_embeddings, else the float
                 hidden state [B, S, dim] from the previous pipeline stage.
-            positions: LongTensor [S] RoPE positions of the S tokens (context parallel passes its
-                shard's positions); None means 0..S-1.
+            positions: LongTensor [S] RoPE positions of the S tokens, or [B, S] per sequence (e.g.
+                restarting at each document, models/document_mask.py); None means 0..S-1.
+            documents: None for causal attention, or int [B, S_window] document ids of the whole
+                packed window (block-causal attention; under context parallel S_window = S · cp).
         Returns:
             logits [B, S, vocab_size] if this part has `output`, else the hidden state [B, S, dim].
         Raises:
@@ -296,8 +309,9 @@ class Transformer(nn.Module):
         # tokens.shape[1] is the full S for token ids; a hidden state from an earlier pipeline stage
         # may already be a sequence-parallel shard of it.
         cos, sin = self._rope_tables(tokens.shape[1], positions, exact=self.tok_embeddings is not None)
+        extra = {} if documents is None else {"documents": attention_inputs(documents, self.layers.values())}
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, **extra)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
@@ -307,7 +321,8 @@ class Transformer(nn.Module):
     def _rope_tables(
         self, seqlen: int, positions: torch.Tensor | None, exact: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [R, head_dim // 2]: all max_seq_len rows, or the rows of the given `positions`.
+        """cos/sin [R, head_dim // 2]: all max_seq_len rows, or the rows of the given `positions`
+        ([B, R, head_dim // 2] for per-sequence positions [B, R]).
 
         Attention takes the first S rows it needs (see `Attention.forward`). `seqlen` is the length
         of this part's input: the full S for token ids (then `positions` must have exactly S
@@ -322,9 +337,10 @@ class Transformer(nn.Module):
                     f"with a larger max_seq_len"
                 )
             return self.rope_cos, self.rope_sin
-        if positions.dim() != 1 or positions.shape[0] < seqlen or (exact and positions.shape[0] != seqlen):
+        n = positions.shape[-1]
+        if positions.dim() not in (1, 2) or n < seqlen or (exact and n != seqlen):
             raise ValueError(
-                f"positions must be a LongTensor [S={seqlen}], got shape {tuple(positions.shape)}"
+                f"positions must be a LongTensor [S={seqlen}] or [B, S], got shape {tuple(positions.shape)}"
             )
         return self.rope_cos[positions], self.rope_sin[positions]
 
