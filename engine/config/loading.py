@@ -32,7 +32,7 @@ from engine.config.toml_format import cli_value, toml_value
 from engine.config.validation import config_warnings, range_problems
 from engine.config.schema import (  # the section dataclasses, re-exported for type hints
     ActivationCheckpointSection, CheckpointSection, CommSection, CompileSection, DataSection,
-    JobSection, LRSchedulerSection, MetricsSection, ModelSection, OptimizerSection,
+    JobSection, LossSection, LRSchedulerSection, MetricsSection, ModelSection, OptimizerSection,
     ParallelismSection, ProfilingSection, TrainingSection, ValidationSection,
 )
 
@@ -65,6 +65,7 @@ class JobConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
     activation_checkpoint: ActivationCheckpointSection = field(default_factory=ActivationCheckpointSection)
+    loss: LossSection = field(default_factory=LossSection)
     compile: CompileSection = field(default_factory=CompileSection)
     profiling: ProfilingSection = field(default_factory=ProfilingSection)
 

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.init_utils import _init_tensor_, init_generator
+from models.linear_cross_entropy import linear_cross_entropy_sum
 from models.llama.args import LlamaModelArgs
 
 __all__ = [
@@ -266,7 +267,8 @@ class Transformer(nn.Module):
         self._tie_weights()
         return result
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, loss_chunk_tokens: int = 4096) -> torch.Tensor:
         """Run the (partial) model.
 
         Args:
@@ -274,8 +276,12 @@ class Transformer(nn.Module):
                 hidden state [B, S, dim] from the previous pipeline stage.
             positions: LongTensor [S] RoPE positions of the S tokens (context parallel passes its
                 shard's positions); None means 0..S-1.
+            labels: LongTensor [B, S] targets (-100: no label), or None. Given to a part with
+                `output`, the output projection and the cross entropy run fused, `loss_chunk_tokens`
+                tokens at a time (models/linear_cross_entropy.py), and no logits are returned.
         Returns:
-            logits [B, S, vocab_size] if this part has `output`, else the hidden state [B, S, dim].
+            with `output`: the fp32 token-sum cross entropy (0-dim) if `labels` is given, else the
+            logits [B, S, vocab_size]; without `output`: the hidden state [B, S, dim].
         Raises:
             ValueError: wrong input rank/dtype for this part, or S > max_seq_len.
         """
@@ -300,6 +306,8 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin)
         if self.norm is not None:
             h = self.norm(h)
+        if self.output is not None and labels is not None:
+            return linear_cross_entropy_sum(h, self.output.weight, labels, loss_chunk_tokens)
         if self.output is not None:
             h = self.output(h)
         return h
