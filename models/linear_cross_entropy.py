@@ -92,25 +92,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, chunk_tokens, group, vocab_start, want_grads):
         n, rows = hidden.shape[0], weight.shape[0]
         local_labels = labels - vocab_start
-        owned = (local_labels >= 0) & (local_labels < rows) & (labels != IGNORE_INDEX)
+        valid = labels != IGNORE_INDEX
+        owned = (local_labels >= 0) & (local_labels < rows) & valid  # this rank's vocab rows
         local_labels = local_labels.masked_fill(~owned, 0)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         target = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        grads = None
+        if want_grads:
+            grads = (torch.empty_like(hidden), torch.zeros(weight.shape, dtype=torch.float32, device=weight.device))
         for start in range(0, n, chunk_tokens):
             end = min(start + chunk_tokens, n)
-            logits = F.linear(hidden[start:end], weight).float()  # [chunk, V_local]
-            lse[start:end] = torch.logsumexp(logits, dim=-1)
-            target[start:end] = logits.gather(1, local_labels[start:end, None]).squeeze(1)
-        target = target.masked_fill(~owned, 0.0)
+            lse[start:end] = _chunk(hidden[start:end], weight, local_labels[start:end], owned[start:end],
+                                    valid[start:end], target[start:end], group,
+                                    None if grads is None else (grads[0][start:end], grads[1]))
         if group is not None:
-            lse = _combine_lse(lse, group)
-            dist.all_reduce(target, group=group)
-        valid = labels != IGNORE_INDEX
-        loss = ((lse - target) * valid).sum()
+            dist.all_reduce(target, group=group)  # the target logit is on the rank that owns it
         ctx.set_materialize_grads(False)
-        ctx.grads = _gradients(hidden, weight, lse, local_labels, owned, valid, chunk_tokens) if want_grads else None
-        ctx.weight_dtype = weight.dtype
-        return loss
+        ctx.grads, ctx.weight_dtype = grads, weight.dtype
+        return ((lse - target) * valid).sum()
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -121,6 +120,36 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden.mul_(grad_loss), grad_weight.mul_(grad_loss).to(ctx.weight_dtype), *(None,) * 5
 
 
+def _chunk(hidden, weight, local_labels, owned, valid, target, group, grads):
+    """One chunk of c tokens: write the target logits into ``target`` [c] (0 where another tp rank
+    owns the label), return the log-sum-exp [c] over the whole vocabulary, and with ``grads``
+    (views of G_h [c, dim] and of G_W [V_local, dim]) add this chunk's gradients for an incoming
+    gradient of 1. One [c, V_local] fp32 buffer holds the logits, then exp, then the softmax
+    gradient (in place), plus the matmul's own output when it is not fp32 (bf16 autocast)."""
+    logits = F.linear(hidden, weight)  # [c, V_local] in the compute dtype (bf16 under autocast)
+    probs = logits.float()  # the same tensor when fp32
+    target.copy_(probs.gather(1, local_labels[:, None]).squeeze(1).masked_fill(~owned, 0.0))
+    peak = probs.amax(dim=-1, keepdim=True)
+    total = probs.sub_(peak).exp_().sum(dim=-1)  # probs = exp(logits - peak)
+    lse = peak.squeeze(1) + torch.log(total)
+    if group is not None:
+        lse = _combine_lse(lse, group)
+    if grads is None:
+        return lse
+    grad_hidden, grad_weight = grads
+    probs.mul_(torch.exp(peak.squeeze(1) - lse)[:, None])  # softmax over the whole vocabulary
+    probs[torch.arange(probs.shape[0], device=probs.device), local_labels] -= owned.to(probs.dtype)
+    probs.mul_(valid[:, None])  # ignored tokens: no gradient
+    grad_logits = probs.to(logits.dtype)
+    del logits
+    grad_hidden.copy_(grad_logits @ weight)  # a partial sum over the vocab rows under tensor parallel
+    if hidden.dtype == grad_weight.dtype:
+        grad_weight.addmm_(grad_logits.t(), hidden)
+    else:  # bf16 chunk products, summed in fp32
+        grad_weight += grad_logits.t() @ hidden
+    return lse
+
+
 def _combine_lse(lse: torch.Tensor, group) -> torch.Tensor:
     """Log-sum-exp over the tp ranks of each rank's per-token log-sum-exp over its vocab shard."""
     peak = lse.clone()
@@ -128,25 +157,3 @@ def _combine_lse(lse: torch.Tensor, group) -> torch.Tensor:
     total = torch.exp(lse - peak)
     dist.all_reduce(total, group=group)
     return peak + torch.log(total)
-
-
-def _gradients(hidden, weight, lse, local_labels, owned, valid, chunk_tokens):
-    """(G_h [N, dim] in hidden's dtype, G_W [V_local, dim] fp32): the gradients of the token sum for
-    an incoming gradient of 1, one chunk of logits at a time (softmax - onehot, zero at ignored tokens)."""
-    grad_hidden = torch.empty_like(hidden)
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-    rows = torch.arange(min(chunk_tokens, hidden.shape[0]), device=hidden.device)
-    for start in range(0, hidden.shape[0], chunk_tokens):
-        end = min(start + chunk_tokens, hidden.shape[0])
-        chunk = hidden[start:end]
-        logits = F.linear(chunk, weight)
-        grad_logits = torch.exp(logits.float() - lse[start:end, None])
-        grad_logits[rows[: end - start], local_labels[start:end]] -= owned[start:end].to(grad_logits.dtype)
-        grad_logits.mul_(valid[start:end, None])
-        grad_logits = grad_logits.to(logits.dtype)
-        grad_hidden[start:end] = grad_logits @ weight
-        if chunk.dtype == grad_weight.dtype:
-            grad_weight.addmm_(grad_logits.t(), chunk)
-        else:  # bf16 chunk products, summed in fp32
-            grad_weight += grad_logits.t() @ chunk
-    return grad_hidden, grad_weight
