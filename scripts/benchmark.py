@@ -22,6 +22,11 @@ Cases (debugmodel, fp32, CPU, gloo; one intra-op thread per rank):
   ``grad_sync_each_microbatch`` true / false (the memory price of one reduction per step).
 - ``ac_compile``: step time with activation checkpointing (full, selective) and with compile
   (inductor where a C++ compiler exists, else aot_eager), over eager without AC.
+- ``loss``: the fused, chunked linear cross entropy (``[loss] chunk_tokens``, its default) against the
+  unfused loss over full logits (``loss.chunk_tokens = 0``) at debugmodel's layers with Llama 3's
+  vocabulary (128,256) and one sequence of 2048 tokens (scripts/benchmarks/loss.py): peak bytes of
+  the loss phase (forward + backward of output projection and loss, torch's ``MemTracker``), unfused
+  over fused; and engine step time, fused over unfused, interleaved rounds.
 - ``data``: prepared data (scripts/benchmarks/data.py): synthetic prepared corpora of 10^7 and 10^9
   tokens (2 GB, written and deleted here); time to the first batch and resident memory added by
   the loader in a fresh process, resume at window 10^8 vs 0, the loader's tokens/s over the debug
@@ -56,7 +61,7 @@ from scripts.benchmarks import runs  # noqa: E402
 from scripts.benchmarks.harness import MachineBusyError, Stat, guard_load, interleave, ratio_stat  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 
-CASES = ("loop", "scaling", "comm", "memory", "ac_compile", "data")
+CASES = ("loop", "scaling", "comm", "memory", "ac_compile", "loss", "data")
 OPTIONAL_CASES = ("data_prepare",)  # run only when named in --only
 FSDP2 = {"parallelism.dp_shard": 2}
 DDP2 = {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 1}
@@ -225,6 +230,24 @@ def case_ac_compile(b: Bench) -> None:
             out[name] = stat.as_dict()
             b.row("ac_compile", f"{name} step / eager", _fmt_ratio(stat))
     b.results["ac_compile"] = out
+
+
+def case_loss(b: Bench) -> None:
+    from engine.config.schema import LossSection
+    from scripts.benchmarks import loss
+
+    chunk = LossSection().chunk_tokens
+    peaks = {c: run_distributed(loss.loss_phase_peak_bytes, 1, c, torchrun_env=False, timeout=900)[0] for c in (0, chunk)}
+    variants = {name: (lambda n=name, c=c: b.timed(n, 1, loss.engine_overrides(c), independent=True)[0]["step_s"])
+                for name, c in (("unfused", 0), ("fused", chunk))}
+    samples = interleave(variants, max(2, b.rounds // 2))
+    step = ratio_stat(samples["fused"], samples["unfused"])
+    b.results["loss"] = {"chunk_tokens": chunk, "loss_phase_peak_bytes": peaks, "samples": samples,
+                         "fused_over_unfused": step.as_dict()}
+    b.row("loss", f"loss phase peak bytes, unfused / fused (chunk {chunk}), vocab {loss.VOCAB:,}, {loss.SEQ_LEN} tokens",
+          f"{peaks[0] / 2**20:,.0f} / {peaks[chunk] / 2**20:,.0f} MiB = {peaks[0] / peaks[chunk]:.1f}x")
+    b.row("loss", f"step time fused / unfused (debugmodel layers, vocab {loss.VOCAB:,}, seq {loss.SEQ_LEN})",
+          _fmt_ratio(step))
 
 
 def case_data(b: Bench) -> None:

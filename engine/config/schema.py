@@ -239,7 +239,7 @@ class ProfilingSection:
 class LossSection:
     """``[loss]``: how the token-sum cross entropy is computed (models/linear_cross_entropy.py)."""
 
-    chunk_tokens: int = _opt(4096, "> 0: fused output projection + cross entropy over chunks of this many tokens, "
+    chunk_tokens: int = _opt(256, "> 0: fused output projection + cross entropy over chunks of this many tokens, "
                              "so at most [chunk_tokens, vocab / tp] logits exist at a time; 0: full logits (unfused)")
 
 

@@ -31,6 +31,8 @@ The family gives the feed-forward width f (``ModelSpec.ffn_width``; MoE: top_k r
 
 from __future__ import annotations
 
+from engine.planner.loss_memory import fused_loss_bytes
+
 
 def _tokens(layout) -> int:
     """T: tokens of one microbatch on one rank (sequences × seq_len / cp)."""
@@ -73,7 +75,9 @@ def head_peak_bytes(layout) -> int:
     cross entropy's fp32 [T, V/t] tensors alive in its backward: the log-softmax output, its gradient
     and the logits' gradient (one more under loss parallel, whose log-softmax keeps its exp); under
     pipeline parallel also the output weight's gradient of a later microbatch before it is added to
-    the accumulated one."""
+    the accumulated one. The fused loss (``loss.chunk_tokens`` > 0): engine/planner/loss_memory.py."""
+    if layout.cfg.loss.chunk_tokens > 0:
+        return fused_loss_bytes(layout, _tokens(layout))
     a = layout.model_args
     T, t = _tokens(layout), layout.tp
     tsp = t if layout.sequence_parallel else 1

@@ -268,7 +268,7 @@ class Transformer(nn.Module):
         return result
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, loss_chunk_tokens: int = 4096) -> torch.Tensor:
+                labels: torch.Tensor | None = None, loss_chunk_tokens: int = 256) -> torch.Tensor:
         """Run the (partial) model.
 
         Args:
