@@ -231,8 +231,10 @@ class PipelineRunner(_Runner):
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         with self.context.autocast(), self.context.loss_and_positions(), evaluation_order(self.schedule, self.plan, self.pp_size):
+            # return_outputs=False reaches step() through eval()'s keywords: the losses are all we
+            # read, and the fused loss's 0-dim stage outputs cannot be concatenated into a batch.
             self.schedule.eval(*args, target=labels if self.has_last else None, losses=losses,
-                               **self._model_kwargs(labels))
+                               return_outputs=False, **self._model_kwargs(labels))
         total = torch.zeros((), device=self.context.device, dtype=torch.float64)
         for loss in losses:  # a Replicate DTensor under loss parallel (tensor parallel on the last stage)
             total += to_local(loss).double()
