@@ -65,8 +65,8 @@ class JobConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
     activation_checkpoint: ActivationCheckpointSection = field(default_factory=ActivationCheckpointSection)
-    loss: LossSection = field(default_factory=LossSection)
     compile: CompileSection = field(default_factory=CompileSection)
+    loss: LossSection = field(default_factory=LossSection)
     profiling: ProfilingSection = field(default_factory=ProfilingSection)
 
     @property

@@ -58,8 +58,10 @@ def block_activation_bytes(layout, ac: str) -> int:
     if ac == "op":  # the outputs of the saved ops, and the block input the checkpoint keeps
         return T * (h // tsp + d // t + 2 * kv // t + d // t + 2 * h) * bb + lse + 2 * T * f // t * bb
     # none: two norm inputs, the (gathered) inputs of wq/wk/wv and w1/w3, q and k, v repeated to every
-    # query head, the attention output and its [T, d] copy for wo, SwiGLU's four f-wide tensors
-    return T * (2 * h // tsp + 2 * h + 3 * d // t + 2 * d // t) * bb + lse + 4 * T * f // t * bb
+    # query head, the attention output and its [T, d] copy for wo, SwiGLU's four f-wide tensors; with
+    # QK-norm (Qwen3) also each norm's input and normalized q, k (measured on CPU)
+    qk_norm = 2 * T * (d + kv) // t * bb if getattr(a, "qk_norm", False) else 0
+    return T * (2 * h // tsp + 2 * h + 3 * d // t + 2 * d // t) * bb + lse + 4 * T * f // t * bb + qk_norm
 
 
 def backward_temporary_bytes(layout) -> int:
