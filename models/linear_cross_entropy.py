@@ -143,9 +143,9 @@ def _chunk(hidden, weight, local_labels, owned, valid, target, group, grads):
     grad_logits = probs.to(logits.dtype)
     del logits
     grad_hidden.copy_(grad_logits @ weight)  # a partial sum over the vocab rows under tensor parallel
-    if hidden.dtype == grad_weight.dtype:
+    if grad_logits.dtype == hidden.dtype == grad_weight.dtype:  # fp32
         grad_weight.addmm_(grad_logits.t(), hidden)
-    else:  # bf16 chunk products, summed in fp32
+    else:  # bf16 chunk products (bf16 parameters, or autocast), summed in fp32
         grad_weight += grad_logits.t() @ hidden
     return lse
 

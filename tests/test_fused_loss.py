@@ -62,6 +62,27 @@ def test_fused_equals_unfused_loss_and_gradients(chunk_tokens):
     assert got[1][0, :5].abs().max() == 0 and got[1][1, -3:].abs().max() == 0
 
 
+@pytest.mark.parametrize("precision", ["autocast", "bf16_parameters"])
+def test_bf16_matches_unfused_to_bf16_rounding(precision):
+    """Mixed precision: bf16 logits under autocast (fp32 hidden and weight), or bf16 hidden and
+    weight (FSDP's param_dtype). The loss is computed in fp32 from the same bf16 logits; the weight
+    gradient is summed over chunks in fp32 from bf16 chunk products (one bf16 rounding apart)."""
+    hidden, weight, labels = _inputs()
+
+    def loss_fn(fused):
+        def run(h, w, y):
+            if precision == "bf16_parameters":
+                h, w = h.bfloat16(), w.bfloat16()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
+                return linear_cross_entropy_sum(h, w, y, 16) if fused else _unfused(h, w, y)
+        return run
+
+    want = _loss_and_grads(loss_fn(False), hidden, weight, labels)
+    got = _loss_and_grads(loss_fn(True), hidden, weight, labels)
+    assert abs(got[0] - want[0]) <= 1e-6 * want[0], (got[0], want[0])
+    assert _rel(got[1], want[1]) <= 1e-2 and _rel(got[2], want[2]) <= 1e-2
+
+
 def test_tied_embeddings_get_both_gradients():
     """The tied matrix's gradient is the embedding's plus the output's, as with full logits."""
     from models.llama.args import LlamaModelArgs
