@@ -167,7 +167,8 @@ class ParallelismSection:
               "the last; FSDP then keeps parameters and gradients unsharded for the whole step)")
     sequence_parallel: bool = _opt(True, "with tp > 1: norms run on sequence shards, all-reduces become "
                                          "all-gather + reduce-scatter (less activation memory)")
-    loss_parallel: bool = _opt(True, "with tp > 1: cross entropy on vocab-sharded logits (no full logits per rank)")
+    loss_parallel: bool = _opt(True, "with tp > 1 and loss.chunk_tokens = 0: cross entropy on vocab-sharded logits "
+                               "(no full logits per rank); the fused loss always keeps the vocab sharded")
     async_tp: bool = _opt(False, "with tp > 1: overlap TP collectives with matmuls (needs CUDA, compile, "
                                  "sequence_parallel)")
 
