@@ -25,6 +25,11 @@ Cases (debugmodel, fp32, CPU, gloo; one intra-op thread per rank):
 - ``document_mask``: block-causal attention over packed documents (``[document_mask]``) vs plain
   causal: attention alone (forward + backward at the debug shape, scripts/benchmarks/attention.py),
   and the engine's step with ``document_mask.enable`` on vs off, interleaved.
+- ``loss``: the fused, chunked linear cross entropy (``[loss] chunk_tokens``, its default) against the
+  unfused loss over full logits (``loss.chunk_tokens = 0``) at debugmodel's layers with Llama 3's
+  vocabulary (128,256) and one sequence of 2048 tokens (scripts/benchmarks/loss.py): peak bytes of
+  the loss phase (forward + backward of output projection and loss, torch's ``MemTracker``), unfused
+  over fused; and engine step time, fused over unfused, interleaved rounds.
 - ``data``: prepared data (scripts/benchmarks/data.py): synthetic prepared corpora of 10^7 and 10^9
   tokens (2 GB, written and deleted here); time to the first batch and resident memory added by
   the loader in a fresh process, resume at window 10^8 vs 0, the loader's tokens/s over the debug
@@ -59,7 +64,7 @@ from scripts.benchmarks import runs  # noqa: E402
 from scripts.benchmarks.harness import MachineBusyError, Stat, guard_load, interleave, ratio_stat  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 
-CASES = ("loop", "scaling", "comm", "memory", "ac_compile", "document_mask", "data")
+CASES = ("loop", "scaling", "comm", "memory", "ac_compile", "document_mask", "loss", "data")
 OPTIONAL_CASES = ("data_prepare",)  # run only when named in --only
 FSDP2 = {"parallelism.dp_shard": 2}
 DDP2 = {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 1}
@@ -242,6 +247,24 @@ def case_document_mask(b: Bench) -> None:
                                   "step_ratio": step.as_dict()}
     b.row("document_mask", "block-causal attention fwd+bwd / causal SDPA (debug shape)", _fmt_ratio(attention))
     b.row("document_mask", "engine step, document_mask.enable / off", _fmt_ratio(step))
+
+
+def case_loss(b: Bench) -> None:
+    from engine.config.schema import LossSection
+    from scripts.benchmarks import loss
+
+    chunk = LossSection().chunk_tokens
+    peaks = {c: run_distributed(loss.loss_phase_peak_bytes, 1, c, torchrun_env=False, timeout=900)[0] for c in (0, chunk)}
+    variants = {name: (lambda n=name, c=c: b.timed(n, 1, loss.engine_overrides(c), independent=True)[0]["step_s"])
+                for name, c in (("unfused", 0), ("fused", chunk))}
+    samples = interleave(variants, max(2, b.rounds // 2))
+    step = ratio_stat(samples["fused"], samples["unfused"])
+    b.results["loss"] = {"chunk_tokens": chunk, "loss_phase_peak_bytes": peaks, "samples": samples,
+                         "fused_over_unfused": step.as_dict()}
+    b.row("loss", f"loss phase peak bytes, unfused / fused (chunk {chunk}), vocab {loss.VOCAB:,}, {loss.SEQ_LEN} tokens",
+          f"{peaks[0] / 2**20:,.0f} / {peaks[chunk] / 2**20:,.0f} MiB = {peaks[0] / peaks[chunk]:.1f}x")
+    b.row("loss", f"step time fused / unfused (debugmodel layers, vocab {loss.VOCAB:,}, seq {loss.SEQ_LEN})",
+          _fmt_ratio(step))
 
 
 def case_data(b: Bench) -> None:

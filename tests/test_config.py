@@ -50,6 +50,7 @@ metrics.log_freq metrics.enable_tensorboard metrics.save_tb_folder metrics.peak_
 metrics.log_all_ranks metrics.time_attribution
 activation_checkpoint.mode activation_checkpoint.selective_ac_option
 compile.enable compile.backend
+loss.chunk_tokens
 profiling.enable profiling.start_step profiling.num_steps profiling.traces_folder profiling.memory_snapshot
 document_mask.enable document_mask.restart_positions
 """.split()
@@ -313,6 +314,7 @@ def _invalid(**overrides) -> str:
     (dict(lr_scheduler__decay_type="cos"), ("lr_scheduler.decay_type", "cosine")),
     (dict(training__steps="10"), ("training.steps", '"10"', "expected an int")),
     (dict(activation_checkpoint__selective_ac_option=2), ("selective_ac_option", "'2'")),
+    (dict(loss__chunk_tokens=-1), ("loss.chunk_tokens = -1", ">= 0", "0: the unfused loss")),
 ])
 def test_validate_rejects(overrides, fragments):
     message = _invalid(**overrides)
@@ -331,6 +333,7 @@ def test_validate_accepts_edge_values():
     cfg.parallelism.dp_shard = 4
     cfg.activation_checkpoint.selective_ac_option = "3"
     cfg.training.max_norm = 0.0           # <= 0 disables clipping, not an error
+    cfg.loss.chunk_tokens = 0             # the unfused loss
     cfg.validate()
 
 

@@ -67,6 +67,9 @@ def base_args(dump_folder: str, overrides: dict | None = None) -> list[str]:
         # Off unless a test is about them: each costs start-up or per-step time in every run.
         "metrics.time_attribution": "false",
         "comm.init_timeout_seconds": "60",
+        # The fused loss (the default) in chunks of 48 tokens: every layout's tokens per microbatch
+        # and rank (8 to 256) then span one partial or several chunks, the last one partial.
+        "loss.chunk_tokens": "48",
     }
     if (overrides or {}).get("model.name", "llama") == "moe":
         settings["model.flavor"] = MOE_FLAVOR

@@ -48,6 +48,7 @@ _CLASSES: dict[str, dict[str, tuple[str, ...]]] = {
         "training": ("deterministic", "mixed_precision_param", "mixed_precision_reduce"),
         "optimizer": ("implementation",),
         "compile": ("enable", "backend"),
+        "loss": ("chunk_tokens",),
     },
     EXECUTION: {
         "job": ("config_file", "dump_folder", "description", "print_config", "dry_run", "dry_run_gpu"),

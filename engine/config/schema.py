@@ -181,7 +181,8 @@ class ParallelismSection:
               "the last; FSDP then keeps parameters and gradients unsharded for the whole step)")
     sequence_parallel: bool = _opt(True, "with tp > 1: norms run on sequence shards, all-reduces become "
                                          "all-gather + reduce-scatter (less activation memory)")
-    loss_parallel: bool = _opt(True, "with tp > 1: cross entropy on vocab-sharded logits (no full logits per rank)")
+    loss_parallel: bool = _opt(True, "with tp > 1 and loss.chunk_tokens = 0: cross entropy on vocab-sharded logits "
+                               "(no full logits per rank); the fused loss always keeps the vocab sharded")
     async_tp: bool = _opt(False, "with tp > 1: overlap TP collectives with matmuls (needs CUDA, compile, "
                                  "sequence_parallel)")
 
@@ -247,6 +248,14 @@ class ProfilingSection:
     traces_folder: str = _opt("profile_traces", "trace folder, relative to the run folder (rank<r>_step<a>-<b>.json)")
     memory_snapshot: bool = _opt(False, "CUDA: record allocations and dump a snapshot after the traced steps "
                                         "and on out-of-memory (open at https://pytorch.org/memory_viz)")
+
+
+@dataclass
+class LossSection:
+    """``[loss]``: how the token-sum cross entropy is computed (models/linear_cross_entropy.py)."""
+
+    chunk_tokens: int = _opt(256, "> 0: fused output projection + cross entropy over chunks of this many tokens, "
+                             "so at most [chunk_tokens, vocab / tp] logits exist at a time; 0: full logits (unfused)")
 
 
 @dataclass

@@ -56,6 +56,8 @@ def range_problems(cfg) -> list[str]:
          "must be >= 0 (0: look up the GPU)"),
         (not ac_ok, "activation_checkpoint.selective_ac_option", ac.selective_ac_option,
          'must be "op" or a positive integer N (checkpoint every N-th block), e.g. "2"'),
+        (cfg.loss.chunk_tokens < 0, "loss.chunk_tokens", cfg.loss.chunk_tokens,
+         "must be >= 0 tokens (0: the unfused loss over full logits; e.g. 256)"),
     ]
     checks.append((p.pp > 1 and not p.grad_sync_each_microbatch, "parallelism.grad_sync_each_microbatch", False,
                    "has no effect with pp > 1 (the pipeline schedule reduces gradients once per step "

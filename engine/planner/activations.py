@@ -31,6 +31,8 @@ The family gives the feed-forward width f (``ModelSpec.ffn_width``; MoE: top_k r
 
 from __future__ import annotations
 
+from engine.planner.loss_memory import fused_loss_bytes
+
 
 def _tokens(layout) -> int:
     """T: tokens of one microbatch on one rank (sequences × seq_len / cp)."""
@@ -56,8 +58,10 @@ def block_activation_bytes(layout, ac: str) -> int:
     if ac == "op":  # the outputs of the saved ops, and the block input the checkpoint keeps
         return T * (h // tsp + d // t + 2 * kv // t + d // t + 2 * h) * bb + lse + 2 * T * f // t * bb
     # none: two norm inputs, the (gathered) inputs of wq/wk/wv and w1/w3, q and k, v repeated to every
-    # query head, the attention output and its [T, d] copy for wo, SwiGLU's four f-wide tensors
-    return T * (2 * h // tsp + 2 * h + 3 * d // t + 2 * d // t) * bb + lse + 4 * T * f // t * bb
+    # query head, the attention output and its [T, d] copy for wo, SwiGLU's four f-wide tensors; with
+    # QK-norm (Qwen3) also each norm's input and normalized q, k (measured on CPU)
+    qk_norm = 2 * T * (d + kv) // t * bb if getattr(a, "qk_norm", False) else 0
+    return T * (2 * h // tsp + 2 * h + 3 * d // t + 2 * d // t) * bb + lse + 4 * T * f // t * bb + qk_norm
 
 
 def backward_temporary_bytes(layout) -> int:
@@ -73,7 +77,9 @@ def head_peak_bytes(layout) -> int:
     cross entropy's fp32 [T, V/t] tensors alive in its backward: the log-softmax output, its gradient
     and the logits' gradient (one more under loss parallel, whose log-softmax keeps its exp); under
     pipeline parallel also the output weight's gradient of a later microbatch before it is added to
-    the accumulated one."""
+    the accumulated one. The fused loss (``loss.chunk_tokens`` > 0): engine/planner/loss_memory.py."""
+    if layout.cfg.loss.chunk_tokens > 0:
+        return fused_loss_bytes(layout, _tokens(layout))
     a = layout.model_args
     T, t = _tokens(layout), layout.tp
     tsp = t if layout.sequence_parallel else 1

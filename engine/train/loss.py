@@ -20,3 +20,30 @@ def token_sum_loss(logits: torch.Tensor, labels: torch.Tensor, global_tokens: to
         logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
     )
     return loss_sum / global_tokens
+
+
+def model_loss(model, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor | float = 1.0,
+               *, chunk_tokens: int = 0, **model_kwargs) -> torch.Tensor:
+    """The loss of a whole model (or a pipeline stage with the output head) on one microbatch.
+
+    ``chunk_tokens > 0`` (``[loss] chunk_tokens``): the model fuses its output projection with the
+    cross entropy over chunks of that many tokens and returns the token sum itself
+    (models/linear_cross_entropy.py); no [B, S, V] logits exist. 0: the model returns the logits and
+    :func:`token_sum_loss` takes them. Either way the result is the token sum / ``global_tokens``.
+
+    Args:
+        model: called as ``model(inputs, **model_kwargs)`` or ``model(inputs, labels=...,
+            loss_chunk_tokens=..., **model_kwargs)``.
+        inputs, labels: LongTensor [B, S]; global_tokens: see :func:`token_sum_loss`.
+        model_kwargs: the model's other keyword inputs (document masking's ids and positions).
+    """
+    if chunk_tokens > 0:
+        token_sum = model(inputs, labels=labels, loss_chunk_tokens=chunk_tokens, **model_kwargs)
+        return fused_stage_loss(token_sum, labels, global_tokens)
+    return token_sum_loss(model(inputs, **model_kwargs), labels, global_tokens)
+
+
+def fused_stage_loss(token_sum: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """The pipeline's loss function when the last stage already returns the fused token sum:
+    ``token_sum / global_tokens`` (``labels`` is the schedule's target, already used by the stage)."""
+    return token_sum / global_tokens

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from engine.train.loss import IGNORE_INDEX, token_sum_loss
+from engine.train.loss import IGNORE_INDEX, fused_stage_loss, model_loss, token_sum_loss
 from parallelisms.context_parallel import ContextParallel
 from parallelisms.data_parallel import sync_on_last_microbatch
 from parallelisms.pipeline import PipelinePlan, build_pipeline_schedule, evaluation_order
@@ -44,11 +44,14 @@ class StepContext:
         autocast_bf16: run forward under bf16 autocast (mixed precision without an FSDP/DDP policy).
         loss_parallel: tensor parallel leaves the logits sharded on the vocabulary dim.
         documents: document masking's inputs (``DocumentInputs``), or None for causal attention.
+        loss_chunk_tokens: ``[loss] chunk_tokens``: > 0 fuses the output projection with the loss
+            over chunks of this many tokens (engine/train/loss.py ``model_loss``); 0: full logits.
     """
 
     def __init__(self, model_parts: list[nn.Module], device: torch.device, *,
                  context_parallel: ContextParallel | None, autocast_bf16: bool, loss_parallel: bool,
-                 documents=None):
+                 documents=None, loss_chunk_tokens: int = 0):
+        self.loss_chunk_tokens = loss_chunk_tokens
         self.model_parts = model_parts
         self.device = device
         self.context_parallel = context_parallel
@@ -188,9 +191,8 @@ class SingleRunner(_Runner):
         """One microbatch: LongTensor[B, S] inputs/labels -> its loss contribution (detached)."""
         inputs, kwargs = self.context.model_inputs(inputs)
         with self.context.autocast():
-            logits = self.model_parts[0](inputs, **kwargs)
-        loss = token_sum_loss(logits, labels, global_tokens)
-        del logits
+            loss = model_loss(self.model_parts[0], inputs, labels, global_tokens,
+                              chunk_tokens=self.context.loss_chunk_tokens, **kwargs)
         loss.backward()
         return loss.detach()
 
@@ -198,7 +200,8 @@ class SingleRunner(_Runner):
         """(token-sum loss in fp64, label tokens) of one batch, forward only."""
         inputs, kwargs = self.context.model_inputs(inputs)
         with self.context.autocast(), self.context.loss_and_positions():
-            loss = to_local(token_sum_loss(self.model_parts[0](inputs, **kwargs), labels)).double()
+            loss = to_local(model_loss(self.model_parts[0], inputs, labels,
+                                       chunk_tokens=self.context.loss_chunk_tokens, **kwargs)).double()
         return loss, (labels != IGNORE_INDEX).sum()
 
 
@@ -212,7 +215,10 @@ class PipelineRunner(_Runner):
 
     def __init__(self, plan: PipelinePlan, model_parts: list[nn.Module], pp_mesh, context: StepContext):
         super().__init__(model_parts, context)
-        self.schedule, stages = build_pipeline_schedule(plan, model_parts, pp_mesh, context.device, token_sum_loss)
+        # With the fused loss the last stage returns the token sum itself, given the labels as a
+        # model keyword (torch's schedules split keyword tensors into microbatches like the inputs).
+        loss_fn = fused_stage_loss if context.loss_chunk_tokens > 0 else token_sum_loss
+        self.schedule, stages = build_pipeline_schedule(plan, model_parts, pp_mesh, context.device, loss_fn)
         self.plan, self.pp_size = plan, pp_mesh.size()
         self.has_first = 0 in plan.local_stages
         self.has_last = plan.num_stages - 1 in plan.local_stages
@@ -245,6 +251,7 @@ class PipelineRunner(_Runner):
                 return_outputs=False,
                 loss_kwargs={"global_tokens": global_tokens},
                 **kwargs,
+                **self._model_kwargs(labels),
             )
         if losses:
             return torch.stack([to_local(loss.detach()) for loss in losses]).sum()
@@ -258,12 +265,22 @@ class PipelineRunner(_Runner):
         inputs, kwargs = self.context.model_inputs(inputs)
         args = (inputs,) if self.has_first else ()
         with self.context.autocast(), self.context.loss_and_positions(), evaluation_order(self.schedule, self.plan, self.pp_size):
-            self.schedule.eval(*args, target=labels if self.has_last else None, losses=losses, **kwargs)
+            # return_outputs=False reaches step() through eval()'s keywords: the losses are all we
+            # read, and the fused loss's 0-dim stage outputs cannot be concatenated into a batch.
+            self.schedule.eval(*args, target=labels if self.has_last else None, losses=losses,
+                               return_outputs=False, **kwargs, **self._model_kwargs(labels))
         total = torch.zeros((), device=self.context.device, dtype=torch.float64)
         for loss in losses:  # a Replicate DTensor under loss parallel (tensor parallel on the last stage)
             total += to_local(loss).double()
         tokens = (labels != IGNORE_INDEX).sum() if self.has_last else torch.zeros((), dtype=torch.int64, device=labels.device)
         return total, tokens
+
+    def _model_kwargs(self, labels: torch.Tensor) -> dict:
+        """Keywords of every stage's forward: the labels and chunk size of the fused loss (stages
+        without the output head ignore them), or none for the unfused loss."""
+        if self.context.loss_chunk_tokens <= 0:
+            return {}
+        return {"labels": labels, "loss_chunk_tokens": self.context.loss_chunk_tokens}
 
     def sum_over_stages(self, value: torch.Tensor) -> torch.Tensor:
         """All-reduce SUM over the pp group, in place (the last stage's value reaches every rank)."""

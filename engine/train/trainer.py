@@ -153,6 +153,7 @@ class Trainer:
             autocast_bf16=self.cfg.training.mixed_precision_param == "bfloat16" and not wrapped,
             loss_parallel=dims.tp_enabled and self.cfg.parallelism.loss_parallel,
             documents=self._document_inputs(),
+            loss_chunk_tokens=self.cfg.loss.chunk_tokens,
         )
         if self.pp_plan is None:
             return SingleRunner(self.model_parts, context,

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from models.document_mask import attention_inputs, document_attention
 from models.init_utils import _init_tensor_, init_generator
+from models.linear_cross_entropy import linear_cross_entropy_sum
 from models.llama.args import LlamaModelArgs
 
 __all__ = [
@@ -277,7 +278,8 @@ class Transformer(nn.Module):
         return result
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+                documents: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                loss_chunk_tokens: int = 256) -> torch.Tensor:
         """Run the (partial) model.
 
         Args:
@@ -287,8 +289,12 @@ class Transformer(nn.Module):
                 restarting at each document, models/document_mask.py); None means 0..S-1.
             documents: None for causal attention, or int [B, S_window] document ids of the whole
                 packed window (block-causal attention; under context parallel S_window = S · cp).
+            labels: LongTensor [B, S] targets (-100: no label), or None. Given to a part with
+                `output`, the output projection and the cross entropy run fused, `loss_chunk_tokens`
+                tokens at a time (models/linear_cross_entropy.py), and no logits are returned.
         Returns:
-            logits [B, S, vocab_size] if this part has `output`, else the hidden state [B, S, dim].
+            with `output`: the fp32 token-sum cross entropy (0-dim) if `labels` is given, else the
+            logits [B, S, vocab_size]; without `output`: the hidden state [B, S, dim].
         Raises:
             ValueError: wrong input rank/dtype for this part, or S > max_seq_len.
         """
@@ -314,6 +320,8 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin, **extra)
         if self.norm is not None:
             h = self.norm(h)
+        if self.output is not None and labels is not None:
+            return linear_cross_entropy_sum(h, self.output.weight, labels, loss_chunk_tokens)
         if self.output is not None:
             h = self.output(h)
         return h
