@@ -69,7 +69,7 @@ def _recompute_factor(layout, n_layers: int) -> float:
     mode, option = layout.ac
     if mode == "full":
         return 2.0
-    if mode == "selective" and option != "op":
+    if mode == "selective" and option.isdigit():
         return 1.0 + (n_layers // int(option)) / max(n_layers, 1)
     return 1.0
 

@@ -69,7 +69,7 @@ def recompute_factor(layout) -> float:
     mode, option = layout.ac
     if mode == "full":
         return 4 / 3
-    if mode == "selective" and option != "op":
+    if mode == "selective" and option.isdigit():
         return 1 + 1 / (3 * int(option))
     return 1.0
 
