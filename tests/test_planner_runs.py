@@ -61,8 +61,9 @@ LAYOUTS = {
     "pp2_tp2_op": (4, {"parallelism.dp_shard": 1, "parallelism.pp": 2, "parallelism.tp": 2,
                        "parallelism.pp_microbatch_size": 2, "training.local_batch_size": 4,
                        "activation_checkpoint.mode": "selective"}),
-    "pp2_fsdp2_full_ac": (4, {"parallelism.pp": 2, "parallelism.dp_shard": 2, "parallelism.pp_microbatch_size": 2,
-                              "training.local_batch_size": 4, "activation_checkpoint.mode": "full"}),
+    # FSDP under PP keeps every unit gathered with its gradient: from the stage's first backward on
+    "pp2_fsdp2_1f1b": (4, {"parallelism.pp": 2, "parallelism.dp_shard": 2, "parallelism.pp_microbatch_size": 2,
+                           "training.local_batch_size": 4}),
     "fsdp3_uneven": (3, {"parallelism.dp_shard": 3, "training.local_batch_size": 1, "training.global_batch_size": 6}),
     "hsdp2x2_accum2": (4, {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 2, "training.local_batch_size": 1}),
     "tp2_fsdp2_sp": (4, {"parallelism.tp": 2, "parallelism.dp_shard": 2, "training.local_batch_size": 4}),

@@ -114,31 +114,49 @@ def ac_kind(layout) -> str:
     return option if option in ("op", "op_all_matmuls") else "every"
 
 
+def saved_per_microbatch(layout, pp_rank: int = 0) -> int:
+    """Bytes the blocks of pp rank ``pp_rank`` (all its stages) keep for backward per microbatch."""
+    ac = ac_kind(layout)
+    n_layers = sum(len(layers) if layers is not None else layout.model_args.n_layers
+                   for layers, _, _ in layout.stages_of(pp_rank))
+    if ac == "every":  # selective N: every N-th block fully recomputed
+        full = n_layers // int(layout.ac[1])
+        return full * block_activation_bytes(layout, "full") + (n_layers - full) * block_activation_bytes(layout, "none")
+    return n_layers * block_activation_bytes(layout, ac)
+
+
+def microbatches_in_flight(layout, pp_rank: int = 0) -> int:
+    """Microbatches whose activations pp rank ``pp_rank`` holds at once: 1 without PP, M under GPipe
+    (all forwards first), min(M, pp - pp_rank) under 1F1B-style schedules, times the local stages."""
+    if layout.pp == 1:
+        return 1
+    m = layout.pp_microbatches
+    in_flight = m if layout.cfg.parallelism.pp_schedule.lower() == "gpipe" else min(m, layout.pp - pp_rank)
+    return in_flight * len(layout.stages_of(pp_rank))
+
+
 def activation_bytes(layout, pp_rank: int = 0) -> int:
     """Peak activation bytes of one rank (module docstring): the saved tensors of every block of the
     microbatches in flight, plus the larger of the loss's peak (last stage) and one block's backward
     (its recomputation first, under full AC)."""
     ac = ac_kind(layout)
     stages = layout.stages_of(pp_rank)
-    n_layers = sum(len(layers) if layers is not None else layout.model_args.n_layers for layers, _, _ in stages)
     has_last = any(last for _, _, last in stages)
-    if ac == "every":  # selective N: every N-th block fully recomputed
-        full = n_layers // int(layout.ac[1])
-        per_mb = full * block_activation_bytes(layout, "full") + (n_layers - full) * block_activation_bytes(layout, "none")
-    else:
-        per_mb = n_layers * block_activation_bytes(layout, ac)
-    in_flight = 1
-    if layout.pp > 1:
-        m = layout.pp_microbatches
-        in_flight = m if layout.cfg.parallelism.pp_schedule.lower() == "gpipe" else min(m, layout.pp - pp_rank)
-        in_flight *= len(stages)
+    per_mb = saved_per_microbatch(layout, pp_rank)
+    in_flight = microbatches_in_flight(layout, pp_rank)
     backward = backward_temporary_bytes(layout)
     if ac in ("full", "every"):
         backward += block_activation_bytes(layout, "none")
     elif ac != "none":  # per-op: the recomputation brings back what the cache does not hold
         backward += block_activation_bytes(layout, "none") - block_activation_bytes(layout, ac) \
             + block_activation_bytes(layout, "full")
-    peak = per_mb * in_flight + max(head_peak_bytes(layout) if has_last else 0, backward)
+    head = 0
+    if has_last:
+        # Each other microbatch in flight on the last stage (GPipe: all M) still holds its
+        # log-probabilities and the stage's output logits, fp32 [T, V/t] each, until its backward.
+        a = layout.model_args
+        head = head_peak_bytes(layout) + (in_flight // len(stages) - 1) * 2 * _tokens(layout) * (a.vocab_size // layout.tp) * 4
+    peak = per_mb * in_flight + max(head, backward)
     if any(first for _, first, _ in stages) and layout.pp_microbatches > 1:
         # the first microbatch's backward ends at the embedding: the later ones' blocks stay saved
         peak = max(peak, per_mb * (in_flight - 1) + embedding_backward_bytes(layout))
