@@ -151,13 +151,39 @@ class CommCounter(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def group_names_by_mesh_dim(parallel_dims) -> dict[str, str]:
+class MeshDimNames(dict):
+    """{c10d group name: mesh dim} (:func:`group_names_by_mesh_dim`) that also names a group it does
+    not list by its ranks: a group over the same global ranks as a mesh dim's moves its bytes over
+    the same links, so ``get`` returns that dim. Such groups exist: torch's ``DeviceMesh`` caches
+    sub-meshes by the mesh's shape and names, so a second mesh of the same shape in one process (a
+    second trainer) can hand out the first one's process groups."""
+
+    def __init__(self, names: dict[str, str], by_ranks: dict[tuple[int, ...], str]):
+        super().__init__(names)
+        self.by_ranks = by_ranks
+
+    def get(self, group: str, default=None):
+        """The mesh dim of c10d group ``group``: by name, else by its ranks, else ``default``."""
+        if group in self:
+            return self[group]
+        try:
+            ranks = tuple(dist.get_process_group_ranks(resolve_group(group)))
+        except (ValueError, RuntimeError, KeyError):  # not a live group name
+            return default
+        return self.by_ranks.get(ranks, default)
+
+
+def group_names_by_mesh_dim(parallel_dims) -> MeshDimNames:
     """{c10d group name: mesh dim} for every 1-D sub-mesh of ``parallel_dims`` whose degree is > 1
     (``dp_replicate``, ``dp_shard``, ``cp``, ``tp``, ``pp``; flattened meshes such as ``dp_shard_cp``
     and ``ep`` too). A group shared by two names (e.g. ``dp_shard`` and ``dp_shard_cp`` when cp = 1)
-    keeps the first. Empty for a single process."""
+    keeps the first; a group not listed is named by its ranks (:class:`MeshDimNames`). Empty for a
+    single process."""
     names: dict[str, str] = {}
+    by_ranks: dict[tuple[int, ...], str] = {}
     for name, mesh in parallel_dims.meshes.items():
         if mesh.ndim == 1 and mesh.size() > 1:
-            names.setdefault(mesh.get_group().group_name, name)
-    return names
+            group = mesh.get_group()
+            dim = names.setdefault(group.group_name, name)
+            by_ranks.setdefault(tuple(dist.get_process_group_ranks(group)), dim)
+    return MeshDimNames(names, by_ranks)

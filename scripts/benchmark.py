@@ -20,8 +20,10 @@ Cases (debugmodel, fp32, CPU, gloo; one intra-op thread per rank):
 - ``memory``: per-rank parameter + gradient + optimizer bytes under FSDP2 at W = 2 over W = 1 (1/W
   expected); and the unsharded bytes FSDP holds between microbatches with
   ``grad_sync_each_microbatch`` true / false (the memory price of one reduction per step).
-- ``ac_compile``: step time with activation checkpointing (full, selective) and with compile
-  (inductor where a C++ compiler exists, else aot_eager), over eager without AC.
+- ``ac_compile``: step time with activation checkpointing (full, selective "op", selective
+  "op_all_matmuls") and with compile (inductor where a C++ compiler exists, else aot_eager), over
+  eager without AC; and the peak activation bytes of one step under each AC option (MemTracker,
+  exact: bytes do not vary between runs), over no AC.
 - ``document_mask``: block-causal attention over packed documents (``[document_mask]``) vs plain
   causal: attention alone (forward + backward at the debug shape, scripts/benchmarks/attention.py),
   and the engine's step with ``document_mask.enable`` on vs off, interleaved.
@@ -221,17 +223,26 @@ def case_memory(b: Bench) -> None:
 
 def case_ac_compile(b: Bench) -> None:
     backend = "inductor" if shutil.which(os.environ.get("CXX", "g++")) else "aot_eager"
-    variants = {"eager": {}, "ac_full": {"activation_checkpoint.mode": "full"},
-                "ac_selective": {"activation_checkpoint.mode": "selective"},
-                f"compile_{backend}": {"compile.enable": "true", "compile.backend": backend}}
+    ac = {"eager": {}, "ac_full": {"activation_checkpoint.mode": "full"},
+          "ac_selective_op": {"activation_checkpoint.mode": "selective"},
+          "ac_selective_op_all_matmuls": {"activation_checkpoint.mode": "selective",
+                                          "activation_checkpoint.selective_ac_option": "op_all_matmuls"}}
+    variants = {**ac, f"compile_{backend}": {"compile.enable": "true", "compile.backend": backend}}
     samples = interleave({name: (lambda o=o, n=name: b.timed(n, 1, o, independent=True)[0]["step_s"])
                           for name, o in variants.items()}, max(2, b.rounds // 2))
-    out = {"samples": samples}
+    out = {"samples": samples, "activation_peak_bytes": {}}
     for name in variants:
         if name != "eager":
             stat = ratio_stat(samples[name], samples["eager"])
             out[name] = stat.as_dict()
             b.row("ac_compile", f"{name} step / eager", _fmt_ratio(stat))
+    peaks = out["activation_peak_bytes"]
+    for name, overrides in ac.items():
+        peaks[name] = b.timed(f"{name}_mem", 1, overrides, independent=True, timing=False,
+                              activation_peak=True)[0]["activation_peak_bytes"]
+    for name in ac:
+        b.row("ac_compile", f"{name} peak activation bytes (MiB, / eager)",
+              f"{peaks[name] / 2**20:.2f}  ({peaks[name] / peaks['eager']:.3f}x)")
     b.results["ac_compile"] = out
 
 

@@ -15,6 +15,8 @@ AC_MODES = {
     "full": {"activation_checkpoint.mode": "full"},
     "selective_every_2": {"activation_checkpoint.mode": "selective", "activation_checkpoint.selective_ac_option": "2"},
     "selective_op": {"activation_checkpoint.mode": "selective", "activation_checkpoint.selective_ac_option": "op"},
+    "selective_op_all_matmuls": {"activation_checkpoint.mode": "selective",
+                                 "activation_checkpoint.selective_ac_option": "op_all_matmuls"},
 }
 
 
@@ -51,6 +53,7 @@ def test_blocks_wrapped(mode, option, wrapped):
     ("full", "op", [1] * 6, True),
     ("selective", "2", [1, 0, 1, 0, 1, 0], True),  # every 2nd block, counting from the first
     ("selective", "op", [1] * 6, True),  # op-level: the block reruns, matmul outputs come from the cache
+    ("selective", "op_all_matmuls", [1] * 6, True),
 ])
 def test_backward_recomputes_the_checkpointed_blocks(mode, option, recomputed, fewer_saved):
     """What activation checkpointing is for: backward runs the wrapped blocks' forward again, and
@@ -92,6 +95,59 @@ def test_backward_recomputes_the_checkpointed_blocks(mode, option, recomputed, f
     again, saved = run(model)
     assert again == recomputed
     assert (saved < saved_plain) == fewer_saved, (saved, saved_plain)
+
+
+def _block_ops_in_backward(option: str, tp: int = 1):
+    """(names of the matmuls and attention ops run in backward's recomputation, by block: ``mm``
+    calls whose output width says which weight; forward's saved op outputs) of one debug-model
+    step with per-op ``option``, counted with a dispatch mode around backward."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from models import get_model_args
+    from models.llama.model import Transformer
+    from parallelisms.activation_checkpoint import apply_activation_checkpointing
+
+    args = dataclasses.replace(get_model_args("llama", "debugmodel"), max_seq_len=16)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights(seed=0)
+    apply_activation_checkpointing(model, "selective", option)
+    widths = {args.dim: "wq|wo|w2", args.n_kv_heads * args.dim // args.n_heads: "wk|wv",
+              model.layers["0"].feed_forward.w1.out_features: "w1|w3"}
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.mm.default and args[0].shape[0] == 16:  # [tokens, in] @ [in, out]
+                self.ops.append(widths.get(out.shape[1], str(out.shape[1])))
+            elif "scaled_dot_product" in str(func) and "backward" not in str(func):
+                self.ops.append("attention")
+            return out
+
+    loss = model(torch.randint(0, args.vocab_size, (1, 16))).logsumexp(-1).sum()
+    with Ops() as ops:
+        loss.backward()
+    return ops.ops
+
+
+def test_op_recomputes_every_second_matmul():
+    """TorchTitan's "op": of a block's seven matmuls (wq, wk, wv, wo, w1, w3, w2) the 2nd, 4th and
+    6th (wk, wo, w3) run again in backward, the others and attention come from the cache; the
+    counter restarts at every block, so each of the six blocks recomputes the same three."""
+    recomputed = _block_ops_in_backward("op")
+    # Backward's own input gradients are [tokens, in] matmuls too: the difference with
+    # "op_all_matmuls", which recomputes no matmul, is what "op" recomputes.
+    kept_all = _block_ops_in_backward("op_all_matmuls")
+    extra = list(recomputed)
+    for op in kept_all:
+        extra.remove(op)
+    assert sorted(extra) == sorted(["wk|wv", "wq|wo|w2", "w1|w3"] * 6), extra
+    assert "attention" not in recomputed and "attention" not in kept_all
 
 
 @pytest.mark.parametrize("option", ["0", "x", "-1"])

@@ -301,7 +301,7 @@ def _invalid(**overrides) -> str:
     (dict(validation__steps=0), ("validation.steps = 0", "-1")),
     (dict(validation__steps=-3), ("validation.steps = -3", "-1")),
     (dict(activation_checkpoint__selective_ac_option="blocks"),
-     ('selective_ac_option = "blocks"', '"op"', "positive integer")),
+     ('selective_ac_option = "blocks"', '"op"', '"op_all_matmuls"', "positive integer")),
     (dict(activation_checkpoint__selective_ac_option="0"),
      ('selective_ac_option = "0"', "positive integer")),
     (dict(checkpoint__interval=0), ("checkpoint.interval = 0", "> 0")),
@@ -335,6 +335,9 @@ def test_validate_accepts_edge_values():
     cfg.training.max_norm = 0.0           # <= 0 disables clipping, not an error
     cfg.loss.chunk_tokens = 0             # the unfused loss
     cfg.validate()
+    for option in ("op", "op_all_matmuls"):  # the two per-op policies
+        cfg.activation_checkpoint.selective_ac_option = option
+        cfg.validate()
 
 
 def test_validate_reports_all_problems_at_once():

@@ -5,7 +5,7 @@ the real plan's local shards (built for that rank under a fake process group) an
 formulas; the bytes of every collective of one step, per mesh dim (parallelisms/comm_counter.py),
 equal the formulas of engine/planner/comm.py within 2 %; the step's peak of non-state tensor bytes
 (engine/planner/memory.py ``peak_nonstate_bytes``: the larger of the loss phase and the
-gradient-reduction phase) is within 15 % of the measured one (torch ``MemTracker``, in the same
+gradient-reduction phase) is within 10 % of the measured one (torch ``MemTracker``, in the same
 step), and the reduction phase alone (engine/planner/reduction.py) within 5 % of the peak measured
 inside FSDP's ``post_backward``. Layouts of a world size share one set of forked ranks
 (tests/planner_runs.py).
@@ -22,13 +22,15 @@ from tests.training_utils import base_args
 pytestmark = pytest.mark.slow  # multi-process training
 
 COMM_TOLERANCE = 0.02
-ACTIVATION_TOLERANCE = 0.15
+ACTIVATION_TOLERANCE = 0.10
 # The reduction phase counts buffers torch allocates rather than modelling activations: measured
 # 0.2-3.1 % low on every rank. 5 % keeps each of its terms visible: the smallest, HSDP's held
 # all-reduce buffers, is 8.6 % of hsdp2x2_accum2's phase.
 REDUCTION_TOLERANCE = 0.05
 ACCUM2 = {"training.local_batch_size": 2}  # global 8 over dp 2: two accumulation microbatches
 S256 = {"training.seq_len": 256, "training.local_batch_size": 4, "training.global_batch_size": 4}
+PP2_GPIPE = {"parallelism.dp_shard": 1, "parallelism.pp": 2, "parallelism.pp_schedule": "gpipe", "training.seq_len": 64,
+             "parallelism.pp_microbatch_size": 2, "training.local_batch_size": 8}
 LAYOUTS = {
     # name: (world_size, overrides)
     "fsdp2_accum2": (2, {"parallelism.dp_shard": 2, **ACCUM2}),
@@ -47,6 +49,22 @@ LAYOUTS = {
     "single_ac_op": (1, {"activation_checkpoint.mode": "selective"}),
     "single_ac_every2": (1, {"activation_checkpoint.mode": "selective",
                              "activation_checkpoint.selective_ac_option": "2"}),
+    "single_ac_op_all_matmuls": (1, {"activation_checkpoint.mode": "selective",
+                                     "activation_checkpoint.selective_ac_option": "op_all_matmuls"}),
+    # The first pipeline stage holds no loss: its peak is the saved blocks of four microbatches in
+    # flight (GPipe) and one block's backward, so the per-op formulas decide it (20 % off in either
+    # is 13 % of this peak); 128 tokens per microbatch keep the embedding's gradient below it.
+    "pp2_gpipe_op": (2, {**PP2_GPIPE, "activation_checkpoint.mode": "selective"}),
+    "pp2_gpipe_op_all_matmuls": (2, {**PP2_GPIPE, "activation_checkpoint.mode": "selective",
+                                     "activation_checkpoint.selective_ac_option": "op_all_matmuls"}),
+    "tp2_sp_full_ac": (2, {"parallelism.dp_shard": 1, "parallelism.tp": 2, "training.local_batch_size": 4,
+                           "activation_checkpoint.mode": "full"}),
+    "pp2_tp2_op": (4, {"parallelism.dp_shard": 1, "parallelism.pp": 2, "parallelism.tp": 2,
+                       "parallelism.pp_microbatch_size": 2, "training.local_batch_size": 4,
+                       "activation_checkpoint.mode": "selective"}),
+    # FSDP under PP keeps every unit gathered with its gradient: from the stage's first backward on
+    "pp2_fsdp2_1f1b": (4, {"parallelism.pp": 2, "parallelism.dp_shard": 2, "parallelism.pp_microbatch_size": 2,
+                           "training.local_batch_size": 4}),
     "fsdp3_uneven": (3, {"parallelism.dp_shard": 3, "training.local_batch_size": 1, "training.global_batch_size": 6}),
     "hsdp2x2_accum2": (4, {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 2, "training.local_batch_size": 1}),
     "tp2_fsdp2_sp": (4, {"parallelism.tp": 2, "parallelism.dp_shard": 2, "training.local_batch_size": 4}),
@@ -122,6 +140,16 @@ def _merged(predicted: dict, aliases: dict) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_every_collective_is_attributed_to_a_mesh_dim(name, runs):
+    """Every collective counted in the step ran in a mesh dim's group (parallelisms/comm_counter.py
+    ``group_names_by_mesh_dim``): none is left in an unnamed group, so the per-dim comparison below
+    and the trainer's time attribution see all of them."""
+    for m in runs(name):
+        unnamed = {dim: v["kinds"] for dim, v in m["comm"].items() if dim.startswith("other:")}
+        assert not unnamed, (m["rank"], unnamed)
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_comm_bytes_per_mesh_dim_match_counted(name, runs):
     from engine.planner.comm import comm_bytes
 
@@ -142,7 +170,7 @@ def test_comm_bytes_per_mesh_dim_match_counted(name, runs):
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_peak_nonstate_within_15_percent_of_measured_peak(name, runs):
+def test_peak_nonstate_within_10_percent_of_measured_peak(name, runs):
     """engine/planner/memory.py's ``peak_nonstate_bytes`` (the larger of activations + transient at
     the loss and the gradient-reduction phase) vs the peak, over the measured step, of every live
     tensor byte that is not the rank's own state (tests/planner_runs.py ``peak_tracker``), on every
@@ -163,7 +191,7 @@ NO_DATA_PARALLEL = sorted(n for n, (_, o) in LAYOUTS.items()
 
 
 @pytest.mark.parametrize("name", NO_DATA_PARALLEL)
-def test_activations_alone_within_15_percent_without_data_parallel(name, runs):
+def test_activations_alone_within_10_percent_without_data_parallel(name, runs):
     """Without FSDP/DDP nothing but activations and temporaries is alive beyond the state: the
     activation formula alone vs the peak of MemTracker's ACT + TEMP + OTH, on every rank (both
     pipeline stages)."""
@@ -190,7 +218,13 @@ def test_document_mask_bytes_within_15_percent_of_measured(runs):
     assert abs(predicted - measured) <= ACTIVATION_TOLERANCE * measured, (predicted, measured)
 
 
-DATA_PARALLEL = sorted(set(LAYOUTS) - set(NO_DATA_PARALLEL))
+# Known gap, kept visible (strict: it fails once fixed): on the last pipeline stage under FSDP the
+# reduction phase (after the step's last backward) holds about one microbatch's [T, V] fp32 more than
+# engine/planner/reduction.py counts (measured 5.97 MB, predicted 4.85 MB, -18.7 %); the step's peak
+# there is the loss phase, which the test above checks within 10 %.
+REDUCTION_GAPS = {"pp2_fsdp2_1f1b": "last pipeline stage's reduction phase: ~[T, V] fp32 not modelled"}
+DATA_PARALLEL = [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=REDUCTION_GAPS[n]))
+                 if n in REDUCTION_GAPS else n for n in sorted(set(LAYOUTS) - set(NO_DATA_PARALLEL))]
 
 
 @pytest.mark.parametrize("name", DATA_PARALLEL)

@@ -31,6 +31,9 @@ LAYOUTS = {
     "tp2_no_sp_no_lp": (2, {**TP2, **NO_SP_NO_LP}),
     # The documented order TP -> activation checkpointing -> compile (aot_eager: no code generation).
     "tp2_sp_lp_ac_compile": (2, {**TP2, **SP_LP, **AC_COMPILE}),
+    # Eager per-op AC: "op" keeps the reduce-scatter outputs of sequence parallel (and recomputes
+    # every second matmul), the cached collective results must give the same gradients.
+    "tp2_sp_ac_op": (2, {**TP2, **SP_ONLY, "activation_checkpoint.mode": "selective"}),
     "tp4_sp_only": (4, {**TP4, **SP_ONLY}),
     "tp4_lp_only": (4, {**TP4, **LP_ONLY}),
     "tp2_fsdp2_sp_lp": (4, {**TP2_FSDP2, **SP_LP}),

@@ -234,7 +234,8 @@ class ActivationCheckpointSection:
     """``[activation_checkpoint]``: recompute activations in backward to save memory."""
 
     mode: str = _opt("none", "none|full|selective", choices=("none", "full", "selective"))
-    selective_ac_option: str = _opt("op", '"op" (per-op policy) or an integer N (every N-th block)',
+    selective_ac_option: str = _opt("op", '"op" (per-op, TorchTitan\'s: recompute every 2nd matmul), "op_all_matmuls" '
+                                    '(per-op, keep every matmul) or an integer N (every N-th block)',
                                     int_ok=True)
 
 

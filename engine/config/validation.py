@@ -19,7 +19,7 @@ def range_problems(cfg) -> list[str]:
     t, o, s = cfg.training, cfg.optimizer, cfg.lr_scheduler
     v, p, ac = cfg.validation, cfg.parallelism, cfg.activation_checkpoint
     option = ac.selective_ac_option
-    ac_ok = option == "op" or (re.fullmatch(r"[0-9]+", option) is not None and int(option) > 0)
+    ac_ok = option in ("op", "op_all_matmuls") or (re.fullmatch(r"[0-9]+", option) is not None and int(option) > 0)
     checks: list[tuple[bool, str, Any, str]] = [
         (t.steps <= 0, "training.steps", t.steps, "must be > 0; set the number of optimizer steps"),
         (t.local_batch_size <= 0, "training.local_batch_size", t.local_batch_size,
@@ -55,7 +55,8 @@ def range_problems(cfg) -> list[str]:
         (cfg.metrics.peak_tflops < 0, "metrics.peak_tflops", cfg.metrics.peak_tflops,
          "must be >= 0 (0: look up the GPU)"),
         (not ac_ok, "activation_checkpoint.selective_ac_option", ac.selective_ac_option,
-         'must be "op" or a positive integer N (checkpoint every N-th block), e.g. "2"'),
+         'must be "op" (TorchTitan\'s per-op policy), "op_all_matmuls" (keep every matmul output) '
+         'or a positive integer N (checkpoint every N-th block), e.g. "2"'),
         (cfg.loss.chunk_tokens < 0, "loss.chunk_tokens", cfg.loss.chunk_tokens,
          "must be >= 0 tokens (0: the unfused loss over full logits; e.g. 256)"),
     ]

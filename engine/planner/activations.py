@@ -16,8 +16,18 @@ t = tp ranks:
 where B = bytes per activation element (training.mixed_precision_param), t' = t with sequence
 parallel (norm tensors are sequence shards) else 1. ``full`` AC keeps only each block's input
 (b·s·h/t'·B) plus, during backward, one block's full set (Korthikanti eq. 6's "2sbh·L + one layer").
-``selective`` "op" keeps the matmul and attention outputs (q, k, v before repetition, o, wo·x, w1·x,
-w3·x, w2·x) and the block input: the element-wise tensors (norms, silu, product) are recomputed.
+``selective`` keeps, per block, its input (b·s·h/t'·B, the checkpoint's) and the outputs of the
+ops its per-op policy saves (parallelisms/activation_checkpoint.py): the block's matmuls in forward
+order wq, wk, wv, wo, w1, w3, w2 (widths d/t, kv/t, kv/t, h, f/t, f/t, h per token, kv = n_kv_heads·
+head_dim; wo and w2 give full-width partial sums under TP), the attention output and its
+log-sum-exp, and under sequence parallel the two reduce-scatter outputs (h/t each):
+
+    "op_all_matmuls"  every matmul      T·(h/t' + d/t + 2kv/t + h + 2f/t + h + d/t [+ 2h/t])·B + lse
+    "op"              odd matmuls only  T·(h/t' + d/t + kv/t + f/t + h + d/t [+ 2h/t])·B + lse
+                      (wq, wv, w1, w2: TorchTitan's every-second-matmul rule)
+
+The element-wise tensors (norms, RoPE, silu, product, GQA's repeated k, v) are recomputed: in a
+block's backward its recomputation brings back the rest of the no-AC set, as under full AC.
 On top of the saved tensors the peak holds the larger of the loss's backward (final norm tensors and
 three fp32 [T, V/t] tensors: log-softmax output, its gradient, the logits' gradient; four under loss
 parallel) and one block's backward (its gradient temporaries, and its recomputed activations under
@@ -39,24 +49,36 @@ def _tokens(layout) -> int:
     return layout.microbatch_size * (layout.seq_len // layout.cp)
 
 
+def matmul_output_widths(layout) -> list[int]:
+    """Per-token elements of each matmul output of one block forward, in forward order: wq, wk, wv,
+    wo, w1, w3, w2 (d/t, kv/t, kv/t, h, f/t, f/t, h; wo and w2 are TP's partial sums, full width)."""
+    a, t = layout.model_args, layout.tp
+    f = layout.model_spec.get("ffn_width")(a)
+    kv, d = a.kv_heads * a.head_dim, a.n_heads * a.head_dim
+    return [d // t, kv // t, kv // t, a.dim, f // t, f // t, a.dim]
+
+
 def block_activation_bytes(layout, ac: str) -> int:
     """Bytes one transformer block keeps for backward per microbatch (see the module docstring).
 
     Args:
-        ac: "none", "full" or "op".
+        ac: "none", "full", "op" (every second matmul recomputed) or "op_all_matmuls".
     """
     a = layout.model_args
     T, h, t = _tokens(layout), a.dim, layout.tp
     f = layout.model_spec.get("ffn_width")(a)  # MoE: top_k routed copies of each token + shared experts
-    kv = a.kv_heads * a.head_dim
     d = a.n_heads * a.head_dim  # attention width: q and the attention output
+    kv = a.kv_heads * a.head_dim
     bb = layout.param_bytes
     tsp = t if layout.sequence_parallel else 1
     lse = T * (a.n_heads // t) * 4
     if ac == "full":
         return T * h // tsp * bb
-    if ac == "op":  # the outputs of the saved ops, and the block input the checkpoint keeps
-        return T * (h // tsp + d // t + 2 * kv // t + d // t + 2 * h) * bb + lse + 2 * T * f // t * bb
+    if ac in ("op", "op_all_matmuls"):  # the block input, the saved matmul, attention, reduce-scatter outputs
+        widths = matmul_output_widths(layout)
+        kept = widths[::2] if ac == "op" else widths
+        scattered = 2 * h // t if layout.sequence_parallel else 0
+        return T * (h // tsp + sum(kept) + d // t + scattered) * bb + lse
     # none: two norm inputs, the (gathered) inputs of wq/wk/wv and w1/w3, q and k, v repeated to every
     # query head, the attention output and its [T, d] copy for wo, SwiGLU's four f-wide tensors; with
     # QK-norm (Qwen3) also each norm's input and normalized q, k (measured on CPU)
@@ -90,30 +112,78 @@ def head_peak_bytes(layout) -> int:
     return head
 
 
+def ac_kind(layout) -> str:
+    """The AC setting as the formulas name it: "none", "full", "op", "op_all_matmuls" or "every"
+    (selective every N-th block)."""
+    mode, option = layout.ac
+    if mode in ("none", "full"):
+        return mode
+    return option if option in ("op", "op_all_matmuls") else "every"
+
+
+def saved_per_microbatch(layout, pp_rank: int = 0) -> int:
+    """Bytes the blocks of pp rank ``pp_rank`` (all its stages) keep for backward per microbatch."""
+    ac = ac_kind(layout)
+    n_layers = sum(len(layers) if layers is not None else layout.model_args.n_layers
+                   for layers, _, _ in layout.stages_of(pp_rank))
+    if ac == "every":  # selective N: every N-th block fully recomputed
+        full = n_layers // int(layout.ac[1])
+        return full * block_activation_bytes(layout, "full") + (n_layers - full) * block_activation_bytes(layout, "none")
+    return n_layers * block_activation_bytes(layout, ac)
+
+
+def microbatches_in_flight(layout, pp_rank: int = 0) -> int:
+    """Microbatches whose activations pp rank ``pp_rank`` holds at once: 1 without PP, M under GPipe
+    (all forwards first), min(M, pp - pp_rank) under 1F1B-style schedules, times the local stages."""
+    if layout.pp == 1:
+        return 1
+    m = layout.pp_microbatches
+    in_flight = m if layout.cfg.parallelism.pp_schedule.lower() == "gpipe" else min(m, layout.pp - pp_rank)
+    return in_flight * len(layout.stages_of(pp_rank))
+
+
 def activation_bytes(layout, pp_rank: int = 0) -> int:
     """Peak activation bytes of one rank (module docstring): the saved tensors of every block of the
     microbatches in flight, plus the larger of the loss's peak (last stage) and one block's backward
     (its recomputation first, under full AC)."""
-    mode, option = layout.ac
-    ac = "none" if mode == "none" else ("full" if mode == "full" else ("op" if option == "op" else "every"))
+    ac = ac_kind(layout)
     stages = layout.stages_of(pp_rank)
     n_layers = sum(len(layers) if layers is not None else layout.model_args.n_layers for layers, _, _ in stages)
     has_last = any(last for _, _, last in stages)
-    if ac == "every":  # selective N: every N-th block fully recomputed
-        full = n_layers // int(option)
-        per_mb = full * block_activation_bytes(layout, "full") + (n_layers - full) * block_activation_bytes(layout, "none")
-    else:
-        per_mb = n_layers * block_activation_bytes(layout, ac)
-    in_flight = 1
-    if layout.pp > 1:
-        m = layout.pp_microbatches
-        in_flight = m if layout.cfg.parallelism.pp_schedule.lower() == "gpipe" else min(m, layout.pp - pp_rank)
-        in_flight *= len(stages)
+    per_mb = saved_per_microbatch(layout, pp_rank)
+    in_flight = microbatches_in_flight(layout, pp_rank)
     backward = backward_temporary_bytes(layout)
     if ac in ("full", "every"):
         backward += block_activation_bytes(layout, "none")
-    return (per_mb * in_flight + max(head_peak_bytes(layout) if has_last else 0, backward)
-            + document_mask_bytes(layout, n_layers, in_flight))
+    elif ac != "none":  # per-op: the recomputation brings back what the cache does not hold
+        backward += block_activation_bytes(layout, "none") - block_activation_bytes(layout, ac) \
+            + block_activation_bytes(layout, "full")
+    head = 0
+    if has_last:
+        # Each other microbatch in flight on the last stage (GPipe: all M) still holds its
+        # log-probabilities and the stage's output logits, fp32 [T, V/t] each, until its backward.
+        a = layout.model_args
+        head = head_peak_bytes(layout)
+        if layout.cfg.loss.chunk_tokens <= 0:  # the fused loss keeps no [T, V] tensor (loss_memory.py)
+            head += (in_flight // len(stages) - 1) * 2 * _tokens(layout) * (a.vocab_size // layout.tp) * 4
+    peak = per_mb * in_flight + max(head, backward) + document_mask_bytes(layout, n_layers, in_flight)
+    if any(first for _, first, _ in stages) and layout.pp_microbatches > 1:
+        # the first microbatch's backward ends at the embedding: the later ones' blocks stay saved
+        peak = max(peak, per_mb * (in_flight - 1) + embedding_backward_bytes(layout))
+    return peak
+
+
+def embedding_backward_bytes(layout) -> int:
+    """The first stage's peak at the end of an earlier microbatch's backward, beyond the later
+    microbatches' saved blocks: the embedding's weight gradient [V/t, h] (fp32 master weights, the
+    compute dtype under FSDP) before it is added to the accumulated one, and six [T, h/t'] tensors
+    in the compute dtype (the embedding output's gradient, the stage's output and input gradient
+    buffers of the pipeline; the constant is what the CPU runs of tests/test_planner_runs.py show
+    alive there, MemTracker)."""
+    a = layout.model_args
+    tsp = layout.tp if layout.sequence_parallel else 1
+    grad_bytes = layout.param_bytes if layout.fsdp > 1 else 4
+    return a.vocab_size // layout.tp * a.dim * grad_bytes + 6 * _tokens(layout) * a.dim // tsp * layout.param_bytes
 
 
 FLEX_BLOCK = 128  # FlexAttention's default sparse block (tokens per side)

@@ -29,7 +29,12 @@ microbatch, B the compute dtype's bytes):
   its gradient (backward).
 - scalars: the step's token count and loss (``dp_cp``), one 8-byte norm partial per mesh dim that
   shards gradients, the loss over stages (``pp``).
-Recomputation (``full`` AC) repeats each block's forward collectives (tp, cp, ep) in backward.
+Recomputation (full AC, every N-th block, and the per-op policies, which rerun the whole block with
+the kept op outputs from a cache) repeats a block's forward collectives in backward: under tp both
+all-gathers but only the first of its two reduce-scatters / all-reduces (torch's checkpoint stops
+recomputing once the last tensor backward needs is back, before the block's last collective), and
+no reduce-scatter under the per-op policies (they keep its output); under cp and ep all of them.
+Measured on the CPU runs of tests/test_planner_runs.py for tp; cp and ep under AC are not measured.
 """
 
 from __future__ import annotations
@@ -64,14 +69,21 @@ def group_sizes(layout) -> dict[str, int]:
             "dp_shard_mod_ep": layout.fsdp // layout.ep}
 
 
-def _recompute_factor(layout, n_layers: int) -> float:
-    """Forward collectives per block forward: 2 under full AC (recomputed), 1 + 1/N for every N-th."""
+def _recomputed_blocks(layout, n_layers: int) -> float:
+    """Share of block forwards run again in backward: 1 under full AC and the per-op policies (the
+    whole block reruns, saved op outputs come from the cache), (n_layers // N) / n_layers for every
+    N-th block, 0 without AC."""
     mode, option = layout.ac
-    if mode == "full":
-        return 2.0
-    if mode == "selective" and option != "op":
-        return 1.0 + (n_layers // int(option)) / max(n_layers, 1)
+    if mode == "none":
+        return 0.0
+    if mode == "selective" and option.isdigit():
+        return (n_layers // int(option)) / max(n_layers, 1)
     return 1.0
+
+
+def _recompute_factor(layout, n_layers: int) -> float:
+    """Forward collectives per block forward where the recomputation repeats them all (cp, ep)."""
+    return 1.0 + _recomputed_blocks(layout, n_layers)
 
 
 def comm_bytes(layout, coords: dict | None = None) -> dict[str, dict]:
@@ -91,17 +103,24 @@ def comm_bytes(layout, coords: dict | None = None) -> dict[str, dict]:
     recompute = _recompute_factor(layout, n_layers)
     _data_parallel(layout, coords, tally, pb, rb)
     x = b * s * h * pb
-    if layout.tp > 1:  # per microbatch, forward + backward
+    if layout.tp > 1:  # per microbatch: forward, backward and the recomputation of a checkpointed block
+        # forward's two all-gathers (SP) are rerun by every recomputation; of its two reduce-scatters
+        # (or all-reduces without SP) only the first: the block's last is needed by no saved tensor,
+        # and torch's checkpoint stops the recomputation before it (early stop); the per-op policies
+        # keep reduce-scatter outputs, so under SP they rerun none.
+        rerun = _recomputed_blocks(layout, n_layers)
+        per_op = layout.ac[0] == "selective" and not layout.ac[1].isdigit()
         if layout.sequence_parallel:
-            per_block = 2 * x * recompute + 2 * x  # all-gathers: forward (recomputed) + backward's
             ends = (x if has_first else 0) + (x if has_last else 0)  # embedding and output head
-            tally.add("tp", "all_gather", n_mb * (n_layers * per_block + ends))
-            tally.add("tp", "reduce_scatter", n_mb * (n_layers * per_block + ends))
+            gathers = 2 * x + 2 * x + 2 * x * rerun  # forward, backward of the reduce-scatters, rerun
+            scatters = 2 * x + 2 * x + (0 if per_op else x * rerun)
+            tally.add("tp", "all_gather", n_mb * (n_layers * gathers + ends))
+            tally.add("tp", "reduce_scatter", n_mb * (n_layers * scatters + ends))
             # replicated norm weights: their whole gradient, whatever FSDP shards (grad_norm.py)
             norms = sum(p.spec.numel for p in rank_params(layout, coords) if p.spec.norm)
             tally.add("tp", "all_reduce", 4 * norms)
         else:
-            per_block = 2 * x * recompute + 2 * x
+            per_block = 2 * x + 2 * x + x * rerun
             tally.add("tp", "all_reduce", n_mb * (n_layers * per_block + (x if has_first else 0) + (x if has_last else 0)))
         tally.add("tp", "all_reduce", 8)  # gradient norm partial
     if layout.cp > 1:

@@ -2,7 +2,8 @@
 
     compute   = FLOPs per rank / (peak_flops · efficiency)      FLOPs: 6N + attention per token
                 (the family's ``ModelSpec.flops_per_token``, PaLM App. B) × tokens of the step / ranks,
-                × 4/3 under full AC (the forward runs twice), × (1 + 1/(3N)) for every N-th block
+                × 4/3 under full AC (the forward runs twice), × (1 + 1/(3N)) for every N-th block,
+                × (1 + share of the recomputed matmuls / 3) under selective "op"
     exposed   = (tp + cp + ep + pp wire bytes) / link            (on the critical path)
     overlap   = max(0, dp wire bytes / link - compute)           (FSDP/DDP prefetch hides the rest)
     step_time = compute / (1 - bubble) + exposed + overlap
@@ -66,11 +67,24 @@ def training_flops_per_token(layout) -> float:
 
 
 def recompute_factor(layout) -> float:
+    """Training FLOPs with recomputation over those without (module docstring): the forward (a third
+    of 6N) runs again for the recomputed blocks; under "op" only the recomputed matmuls count (wk,
+    wo, w3: every second one, parallelisms/activation_checkpoint.py), their share of a block's matmul
+    FLOPs; "op_all_matmuls" recomputes no matmul (element-wise ops are not counted)."""
     mode, option = layout.ac
     if mode == "full":
         return 4 / 3
-    if mode == "selective" and option != "op":
+    if mode == "selective" and option.isdigit():
         return 1 + 1 / (3 * int(option))
+    if mode == "selective" and option == "op":
+        from engine.planner.activations import matmul_output_widths
+
+        a = layout.model_args
+        widths = matmul_output_widths(layout)  # per-token outputs; FLOPs are output × input width
+        f = layout.model_spec.get("ffn_width")(a)
+        inputs = [a.dim, a.dim, a.dim, a.n_heads * a.head_dim, a.dim, a.dim, f]
+        flops = [w * i for w, i in zip(widths, inputs)]
+        return 1 + sum(flops[1::2]) / sum(flops) / 3
     return 1.0
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.planner.activations import activation_bytes, block_activation_bytes  # noqa: F401  (re-exported)
+from engine.planner.activations import microbatches_in_flight, saved_per_microbatch
 from engine.planner.params import padded_numel, rank_params
 from engine.planner.real_plan import STEP_TENSOR_BYTES, StateBytes
 from engine.planner.reduction import reduction_bytes
@@ -103,7 +104,15 @@ def transient_bytes(layout, coords: dict | None = None) -> int:
     if not units:
         return 0
     pb, rb = layout.param_bytes, layout.reduce_bytes
-    if layout.pp > 1 or (layout.grad_accum > 1 and not layout.cfg.parallelism.grad_sync_each_microbatch):
+    if layout.pp > 1:
+        gathered, grads = sum(units.values()) * pb, sum(units.values()) * rb
+        pp_rank = (coords or {}).get("pp", 0)
+        if layout.pp_microbatches > microbatches_in_flight(layout, pp_rank):
+            return gathered + grads  # a later backward starts with as many microbatches in flight
+        # The stage's first backward starts with every microbatch saved and no gradient yet; each
+        # later one with a microbatch fewer and every unit's unsharded gradient.
+        return max(gathered, gathered + grads - saved_per_microbatch(layout, pp_rank))
+    if layout.grad_accum > 1 and not layout.cfg.parallelism.grad_sync_each_microbatch:
         return sum(units.values()) * (pb + rb)
     if ddp:
         return sum(units.values()) * pb

@@ -129,8 +129,8 @@ def saved_per_block(layout) -> float:
     mode, option = layout.ac
     if mode in ("none", "full"):
         return block_activation_bytes(layout, mode)
-    if option == "op":
-        return block_activation_bytes(layout, "op")
+    if not option.isdigit():  # the per-op policies, "op" and "op_all_matmuls"
+        return block_activation_bytes(layout, option)
     n = int(option)  # every n-th block fully recomputed
     return (block_activation_bytes(layout, "full") + (n - 1) * block_activation_bytes(layout, "none")) / n
 

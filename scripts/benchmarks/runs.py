@@ -59,9 +59,11 @@ def _state_bytes(trainer) -> dict[str, int]:
 
 
 def timed_engine_run(argv: list[str], steps: int, warmup: int, count_comm: bool = False,
-                     state_bytes: bool = False) -> dict:
+                     state_bytes: bool = False, activation_peak: bool = False) -> dict:
     """Build a Trainer, run ``warmup`` + ``steps`` steps; per-step seconds after warm-up, and
-    optionally one more step's collectives (bytes per group kind) and this rank's state bytes."""
+    optionally one more step's collectives (bytes per group kind), this rank's state bytes, and one
+    more step's peak of activation bytes (``activation_peak``: every live tensor that is not a
+    parameter, gradient, optimizer state or buffer, torch's MemTracker, tests/planner_runs.py)."""
     from parallelisms.comm_counter import CommCounter, group_names_by_mesh_dim
 
     trainer = build_trainer(argv)
@@ -90,6 +92,12 @@ def timed_engine_run(argv: list[str], steps: int, warmup: int, count_comm: bool 
             out["block_bytes"] = sum(p.numel() * p.element_size() for p in first_block.parameters())
         if state_bytes:
             out["state"] = _state_bytes(trainer)
+        if activation_peak:
+            from tests.planner_runs import peak_tracker
+
+            with peak_tracker(trainer) as tracker:
+                trainer.train_step()
+            out["activation_peak_bytes"] = tracker.activation_peak
         out["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return out
     finally:
