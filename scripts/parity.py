@@ -72,7 +72,7 @@ def _config_argv(a, extra: list[str]) -> list[str] | str:
 
 def _select_layouts(a, argv: list[str], cfg, device_type: str):
     """(layouts to run, lines about the auto layouts left out) or raise ValueError with one line."""
-    from engine.parity.layouts import auto_layouts, check_layout, parse_layout, with_accumulation
+    from engine.parity.layouts import auto_layouts, check_layout, fit_batch, parse_layout
 
     from engine.launch.preflight import resolve_model_setup
 
@@ -86,7 +86,7 @@ def _select_layouts(a, argv: list[str], cfg, device_type: str):
     kept = []
     for layout in layouts:
         try:
-            layout = with_accumulation(layout, cfg.training.global_batch_size)
+            layout = fit_batch(layout, cfg.training.local_batch_size, cfg.training.global_batch_size)
             reason = check_layout(argv, layout, device_type)
         except ValueError as error:
             reason = str(error)
@@ -116,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg.validate()
     except (ConfigError, ValueError) as error:
         return _refuse(str(error))
+    if cfg.training.global_batch_size <= 0:  # -1 grows with dp: fix it at one process's batch
+        base += ["--training.global_batch_size", str(cfg.training.local_batch_size)]
+        cfg = load_config(base)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() and cfg.job.device != "cpu" else 0
     device_type = "cuda" if gpus else "cpu"
     a.procs = a.procs or gpus or CPU_PROCESS_BUDGET

@@ -14,7 +14,7 @@ import pytest
 
 from engine.parity.compare import (clipping_sides, engaging_max_norm, history_differences,
                                    parameter_differences, tolerance)
-from engine.parity.layouts import LayoutError, auto_layouts, parse_layout, with_accumulation
+from engine.parity.layouts import LayoutError, auto_layouts, parse_layout, fit_batch
 from tests.training_utils import MAX_NORM, REPO, base_args
 
 SCRIPT = os.path.join(REPO, "scripts", "parity.py")
@@ -33,8 +33,14 @@ def test_layout_names_give_the_degrees():
     assert parse_layout("ep2").overrides["parallelism.dp_shard"] == 2  # carved out of dp_shard
     assert parse_layout("ep2").world_size == 2
     assert parse_layout("1").world_size == 1
-    accum = with_accumulation(parse_layout("fsdp2xaccum2"), 16)
+    accum = fit_batch(parse_layout("fsdp2xaccum2"), 8, 16)
     assert accum.overrides["training.local_batch_size"] == 4
+    # The global batch stays: dp 2 of a config with local 8 = global 8 trains 4 per rank.
+    assert fit_batch(parse_layout("fsdp2"), 8, 8).overrides["training.local_batch_size"] == 4
+    assert "training.local_batch_size" not in fit_batch(parse_layout("fsdp2"), 3, 12).overrides  # fits as is
+    assert fit_batch(parse_layout("fsdp4"), 4, 12).overrides["training.local_batch_size"] == 3
+    with pytest.raises(LayoutError, match="does not split"):
+        fit_batch(parse_layout("fsdp2xaccum4"), 2, 12)
 
 
 @pytest.mark.parametrize("name, words", [("tp2y", "is not one of"), ("fsdp2xfsdp2", "repeats fsdp"),

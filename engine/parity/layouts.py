@@ -109,21 +109,29 @@ def _apply_part(name: str, kind: str, degree: int, option: str | None, degrees: 
             extra["parallelism.pp_schedule"] = next(s for s in KNOWN_SCHEDULES if s.lower() == option.lower())
 
 
-def with_accumulation(layout: Layout, global_batch_size: int) -> Layout:
-    """``layout`` with ``training.local_batch_size`` set for its ``accumN`` part (unchanged without).
+def fit_batch(layout: Layout, local_batch_size: int, global_batch_size: int) -> Layout:
+    """``layout`` with the ``training.local_batch_size`` that keeps ``global_batch_size`` (the same
+    samples per optimizer step as one process): ``global / (dp · N)`` for an ``accumN`` part, else the
+    config's ``local_batch_size`` when dp × it divides the global batch, else the largest local batch
+    below it that does (more accumulation, the same step).
 
     Raises:
-        LayoutError: the global batch does not divide into dp × N microbatches.
+        LayoutError: the global batch does not divide into dp (× N) microbatches.
     """
-    if not layout.accum:
-        return layout
     o = layout.overrides
     dp = o["parallelism.dp_replicate"] * o["parallelism.dp_shard"]
-    if global_batch_size % (dp * layout.accum):
+    parts = dp * max(layout.accum, 1)
+    if global_batch_size % parts:
         raise LayoutError(f"layout {layout.name!r}: training.global_batch_size {global_batch_size} does not split "
-                          f"into dp {dp} × {layout.accum} microbatches")
-    overrides = {**o, "training.local_batch_size": global_batch_size // (dp * layout.accum)}
-    return Layout(layout.name, layout.world_size, overrides, layout.accum)
+                          f"into dp {dp}" + (f" × {layout.accum} microbatches" if layout.accum else " ranks"))
+    per_rank = global_batch_size // dp
+    if layout.accum:
+        local = per_rank // layout.accum
+    else:
+        local = max(b for b in range(1, min(local_batch_size, per_rank) + 1) if per_rank % b == 0)
+    if local == local_batch_size and not layout.accum:
+        return layout
+    return Layout(layout.name, layout.world_size, {**o, "training.local_batch_size": local}, layout.accum)
 
 
 def candidate_layouts(moe: bool) -> list[str]:
