@@ -45,8 +45,9 @@ def _args(argv):
     p.add_argument("--layouts", default="auto", help="comma-separated layout names, or 'auto': every "
                    "legal layout of engine/parity/layouts.py that fits --procs (default)")
     p.add_argument("--steps", type=int, default=5, help="optimizer steps per run (default %(default)s)")
-    p.add_argument("--precision", default="fp32", choices=("fp32",), help="fp32 (the tolerances of the "
-                   "suite: relative 1e-5 at step 1, 1e-4 after)")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "fp64"), help="fp32: the config's "
+                   "dtypes, relative tolerance 1e-5 at step 1, 1e-4 after; fp64: every run in the float64 reference "
+                   "mode (training.mixed_precision_param/_reduce = float64), tolerance 1e-12")
     p.add_argument("--procs", type=int, default=0, help="process budget of --layouts auto (default: the "
                    f"visible GPUs, else {CPU_PROCESS_BUDGET})")
     p.add_argument("--keep_max_norm", action="store_true", help="when training.max_norm clips no step, only "
@@ -106,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     base = _config_argv(a, extra)
     if isinstance(base, str):
         return _refuse(base)
+    if a.precision == "fp64":
+        base += ["--training.mixed_precision_param", "float64", "--training.mixed_precision_reduce", "float64"]
     import torch
 
     from engine.config import ConfigError, load_config

@@ -57,6 +57,12 @@ def range_problems(cfg) -> list[str]:
         (not ac_ok, "activation_checkpoint.selective_ac_option", ac.selective_ac_option,
          'must be "op" or a positive integer N (checkpoint every N-th block), e.g. "2"'),
     ]
+    fp64 = (t.mixed_precision_param == "float64", t.mixed_precision_reduce == "float64")
+    checks.append((fp64[0] != fp64[1], "training.mixed_precision_reduce", t.mixed_precision_reduce,
+                   "and mixed_precision_param must both be float64 (the float64 reference mode computes "
+                   "and reduces everything in float64) or neither; set both to \"float64\""))
+    checks.append((fp64[0] and cfg.compile.enable, "compile.enable", True,
+                   "is not verified in the float64 reference mode; set compile.enable = false"))
     checks.append((p.pp > 1 and not p.grad_sync_each_microbatch, "parallelism.grad_sync_each_microbatch", False,
                    "has no effect with pp > 1 (the pipeline schedule reduces gradients once per step "
                    "itself); leave it true"))

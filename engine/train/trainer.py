@@ -132,6 +132,8 @@ class Trainer:
     def _build_model(self) -> list[torch.nn.Module]:
         t = self.cfg.training
         torch.manual_seed(t.seed)
+        if t.mixed_precision_param == "float64":  # the float64 reference mode: parameters, buffers,
+            torch.set_default_dtype(torch.float64)  # activations and optimizer state (restored by close)
         if t.deterministic:
             torch.use_deterministic_algorithms(True)
         parts, self.nparams, self.flops_per_token = build_model_parts(
@@ -360,3 +362,5 @@ class Trainer:
         self.stop_request.restore()
         self.profiler.close()
         self.metrics.close()
+        if self.cfg.training.mixed_precision_param == "float64":
+            torch.set_default_dtype(torch.float32)
