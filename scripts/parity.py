@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from engine.config import ConfigError, load_config
-    from engine.parity.sweep import PRECISIONS, Sweep, format_table
+    from engine.parity.sweep import PRECISIONS, Sweep, format_table, progress_line
 
     try:
         cfg = load_config(base)
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         for layout in layouts:
             row = sweep.compare(layout)
             rows.append(row)
-            print(f"  {layout.name}: {'pass' if row['passed'] else 'FAIL'} ({row['seconds']:.0f} s)", flush=True)
+            print(f"  {progress_line(row)}", flush=True)
             if row["error"]:
                 print("    " + row["error"].replace("\n", "\n    "))
     except RuntimeError as error:

@@ -94,11 +94,18 @@ def launch(base_argv: list[str], overrides: dict, world_size: int, folder: str, 
     log_path = os.path.join(folder, "launch.log")
     start = time.perf_counter()
     with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, cwd=REPO, env=run_env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            status = subprocess.run(argv, cwd=REPO, env=run_env, stdout=log, stderr=subprocess.STDOUT,
-                                    timeout=timeout).returncode
+            status = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             status = None
+        finally:  # timed out, or this process was interrupted: the launcher stops its ranks on SIGTERM
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
     result = RunResult(folder, read_history(folder), time.perf_counter() - start)
     if status != 0:
         with open(log_path) as f:

@@ -105,6 +105,14 @@ class Sweep:
         return row
 
 
+def progress_line(row: dict) -> str:
+    """One line per finished layout: verdict, worst differences, seconds."""
+    def number(key):
+        return "n/a" if row.get(key) is None else f"{row[key]:.2e}"
+    return (f"{row['layout']}: {'pass' if row['passed'] else 'FAIL'}  loss {number('loss')}  grad_norm "
+            f"{number('grad_norm')}  params {number('params')}  ({row['seconds']:.0f} s)")
+
+
 def format_table(rows: list[dict], precision: str) -> str:
     """The report table: per layout the worst relative difference of loss, grad norm (with its step)
     and final parameters, pass/fail at ``precision``'s tolerance and the run's seconds."""
