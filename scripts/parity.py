@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -102,6 +103,8 @@ def _select_layouts(a, argv: list[str], cfg, device_type: str):
 
 def main(argv: list[str] | None = None) -> int:
     a, extra = _args(sys.argv[1:] if argv is None else argv)
+    # SIGTERM (timeout, scancel) unwinds like Ctrl-C: the running launch is stopped, the folder removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if a.steps < 1:
         return _refuse(f"--steps {a.steps} must be >= 1")
     base = _config_argv(a, extra)

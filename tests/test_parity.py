@@ -92,13 +92,13 @@ def test_parameter_differences_and_clipping():
     assert clipping_sides([(8.0, 0.5), (8.0, 0.51)], engaging_max_norm([(8.0, 0.5), (8.0, 0.51)]))[0] == 2
 
 
-def _sweep(tmp_path, layouts: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, dict]:
+def _sweep(tmp_path, layouts: str, env: dict | None = None, extra: list[str] = ()) -> tuple[subprocess.CompletedProcess, dict]:
     """scripts/parity.py on the tests' 5-step tiny setting (tests/training_utils.py: clipping on both
     sides of MAX_NORM), its --json report."""
     argv = [a for a in base_args(str(tmp_path / "unused")) if a]
     report = tmp_path / "parity.json"
     proc = subprocess.run([sys.executable, SCRIPT, "--config", os.path.join(REPO, "train_configs", "debug_model.toml"),
-                           "--layouts", layouts, "--json", str(report), *argv],
+                           "--layouts", layouts, "--json", str(report), *extra, *argv],
                           cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     assert report.exists(), proc.stdout + proc.stderr
@@ -124,6 +124,31 @@ def test_parity_sweep_fails_a_defect_of_one_layout(tmp_path):
     (row,) = report["layouts"]
     assert not row["passed"] and row["first_failing_step"] == 1, row
     assert "FAIL (step 1)" in proc.stdout
+
+
+def test_float64_sweep_matches_to_1e12(tmp_path):
+    """The float64 reference mode: pipeline and context parallel (the fp32 sweep above has FSDP and TP)
+    agree with one process to 1e-12 over 5 steps with clipping on both sides of MAX_NORM."""
+    proc, report = _sweep(tmp_path, "pp2:1F1B,cp2", extra=["--precision", "fp64"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert report["precision"] == "float64" and report["clipping"]["engaged"]
+    for row in report["layouts"]:
+        assert row["passed"] and max(row["loss"], row["grad_norm"], row["params"]) <= 1e-12, row
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["--training.mixed_precision_param", "float64"], "must both be float64"),
+    (["--training.mixed_precision_param", "bfloat16", "--training.mixed_precision_reduce", "float64"],
+     "must both be float64"),
+    (["--training.mixed_precision_param", "float64", "--training.mixed_precision_reduce", "float64",
+      "--compile.enable", "true"], "compile.enable"),
+])
+def test_float64_mode_refuses_what_it_cannot_do(overrides, words):
+    from engine.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=words) as error:
+        load_config(overrides).validate()
+    assert "\n" not in str(error.value)
 
 
 def test_bad_input_is_one_line(tmp_path):
