@@ -5,6 +5,7 @@ steps on the same data, and compare loss, grad norm and final parameters.
     ./scripts/parity.py                                   # train_configs/debug_model.toml, --layouts auto
     ./scripts/parity.py --config my.toml --layouts "fsdp2,tp2,pp2:1F1B,cp2,tp2xpp2" --steps 5
     ./scripts/parity.py --layouts fsdp2xtp2 --json parity.json --training.seq_len 64
+    ./scripts/parity.py --replay outputs/my_run --step 1234 --layouts "tp2,fsdp4"
 
 Each run is the engine's own launcher (what ./run_train.sh runs) with the layout's degrees; its
 metrics.jsonl gives loss and grad norm per step, its final checkpoint the parameters. Layout names
@@ -53,6 +54,10 @@ def _args(argv):
                    f"visible GPUs, else {CPU_PROCESS_BUDGET})")
     p.add_argument("--keep_max_norm", action="store_true", help="when training.max_norm clips no step, only "
                    "say so (default: run everything again with a max_norm that clips)")
+    p.add_argument("--replay", default="", help="a run folder: resume every run from its newest checkpoint at "
+                   "or before --step (with optimizer, schedule and data position), train to --step, compare; "
+                   "its config.toml is the config and the max_norm is kept")
+    p.add_argument("--step", type=int, default=0, help="with --replay: the step to reach")
     p.add_argument("--json", default="", help="write the full report (every step of every run) here")
     p.add_argument("--out", default="", help="folder for the run folders (default: a temporary one, deleted)")
     return p.parse_known_args(argv)
@@ -70,6 +75,36 @@ def _config_argv(a, extra: list[str]) -> list[str] | str:
     if any(not token.startswith("--") for token in extra[::2]) or len(extra) % 2:
         return f"unrecognized arguments {' '.join(extra)}; config overrides are --section.key value pairs"
     return ["--job.config_file", os.path.abspath(a.config), *extra]
+
+
+def _replay_argv(a, extra: list[str]) -> tuple[list[str], int] | str:
+    """(config arguments resuming ``a.replay``'s newest checkpoint at or before ``a.step``, its step),
+    or the one-line reason that cannot work."""
+    from engine.checkpoint import files
+    from engine.config import ConfigError, load_config
+
+    config = os.path.join(a.replay, "config.toml")
+    if not os.path.isfile(config):
+        return f"--replay {a.replay}: no config.toml there; pass a run folder (job.dump_folder of a run)"
+    if a.step < 1:
+        return f"--step {a.step}: --replay needs the step to reach, e.g. --step 100"
+    try:
+        cfg = load_config(["--job.config_file", config])
+    except ConfigError as error:
+        return f"--replay {a.replay}: its config.toml does not load ({error})"
+    folder = cfg.checkpoint.folder if os.path.isabs(cfg.checkpoint.folder) else \
+        os.path.join(a.replay, cfg.checkpoint.folder)
+    steps = sorted(s for s in files.scan(folder).complete if s <= a.step)
+    if not steps:
+        return f"--replay {a.replay}: no complete checkpoint at or before step {a.step} in {folder}"
+    if steps[-1] == a.step:
+        steps = steps[:-1] or steps  # a checkpoint at the step itself leaves nothing to train
+    if steps[-1] >= a.step:
+        return f"--replay {a.replay} --step {a.step}: the only checkpoint is step-{steps[-1]}; choose a later --step"
+    # training.steps stays the run's (its LR schedule); each run stops after --step instead.
+    argv = ["--job.config_file", config, *extra, "--checkpoint.initial_load_path", files.step_dir(folder, steps[-1]),
+            "--checkpoint.initial_load_model_only", "false", "--training.stop_after_step", str(a.step)]
+    return argv, steps[-1]
 
 
 def _select_layouts(a, argv: list[str], cfg, device_type: str):
@@ -107,7 +142,14 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if a.steps < 1:
         return _refuse(f"--steps {a.steps} must be >= 1")
-    base = _config_argv(a, extra)
+    start_step = 0
+    if a.replay:
+        replay = _replay_argv(a, extra)
+        if isinstance(replay, str):
+            return _refuse(replay)
+        (base, start_step), a.steps, a.keep_max_norm = replay, a.step, True
+    else:
+        base = _config_argv(a, extra)
     if isinstance(base, str):
         return _refuse(base)
     if a.precision == "fp64":
@@ -115,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from engine.config import ConfigError, load_config
-    from engine.parity.sweep import PRECISIONS, Sweep, format_table, progress_line
+    from engine.parity.sweep import PRECISIONS, Sweep, format_table, original_row, progress_line
 
     try:
         cfg = load_config(base)
@@ -140,15 +182,21 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(layouts)} layouts on {device_type} vs one process; run folders in {folder}", flush=True)
     for line in left_out:
         print(f"  left out {line}")
+    if a.replay:
+        print(f"replaying {a.replay} from its checkpoint step-{start_step} to step {a.steps} "
+              f"({a.steps - start_step} steps per run)")
     start = time.perf_counter()
     sweep = Sweep(base, a.steps, precision, folder, engage_clipping=not a.keep_max_norm,
-                  say=lambda line: print(line, flush=True))
+                  say=lambda line: print(line, flush=True), replay=bool(a.replay))
     try:
         clipping = sweep.run_reference(cfg.training.max_norm)
         print(f"reference (1 process): {sweep.reference.seconds:.0f} s; clipping "
               f"{'engaged' if clipping['engaged'] else 'NOT engaged'} at max_norm {clipping['max_norm']:g} "
               f"({clipping['clipped_steps']} steps clipped, {clipping['unclipped_steps']} not)", flush=True)
         rows = []
+        if a.replay:
+            rows.append(original_row(a.replay, sweep, start_step))
+            print(f"  {progress_line(rows[0])}", flush=True)
         for layout in layouts:
             row = sweep.compare(layout)
             rows.append(row)

@@ -112,6 +112,8 @@ class TrainingSection:
     mixed_precision_reduce: str = _opt("float32", "dtype of gradient reduction: float32|bfloat16|float64",
                                        choices=("float32", "bfloat16", "float64"))
     gc_freq: int = _opt(50, "run gc.collect() every N steps (0: leave Python's GC on)")
+    stop_after_step: int = _opt(-1, "stop after this step, the LR schedule still spanning training.steps "
+                                    "(./scripts/parity.py --replay); -1: train to training.steps")
 
 
 @dataclass

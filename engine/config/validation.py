@@ -31,6 +31,8 @@ def range_problems(cfg) -> list[str]:
          f"must be a multiple of training.local_batch_size = {t.local_batch_size}"),
         (t.seq_len <= 0, "training.seq_len", t.seq_len, "must be > 0 tokens"),
         (t.gc_freq < 0, "training.gc_freq", t.gc_freq, "must be >= 0 (0 leaves Python's GC on)"),
+        (t.stop_after_step == 0 or t.stop_after_step < -1, "training.stop_after_step", t.stop_after_step,
+         "must be -1 (train to training.steps) or a step >= 1"),
         (cfg.model.vocab_size == 0 or cfg.model.vocab_size < -1, "model.vocab_size",
          cfg.model.vocab_size, "must be -1 (the flavor's size) or a positive vocabulary size"),
         (o.lr <= 0, "optimizer.lr", o.lr, "must be > 0"),

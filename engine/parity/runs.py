@@ -33,14 +33,15 @@ class RunResult:
     checkpoint: str | None = None
 
 
-def parity_overrides(folder: str, steps: int) -> dict:
-    """Settings every parity run gets on top of the user's: its own folder, ``steps`` steps, every step
+def parity_overrides(folder: str, steps: int, replay: bool = False) -> dict:
+    """Settings every parity run gets on top of the user's: its own folder, ``steps`` steps (with
+    ``replay``: training.steps stays, the run stops after step ``steps`` by itself), every step
     logged to metrics.jsonl, a checkpoint after the last step only (its weights are compared), and
     nothing that costs time without being compared (TensorBoard, validation, time attribution)."""
     return {
         "job.dump_folder": folder,
         "job.print_config": "false",
-        "training.steps": steps,
+        **({} if replay else {"training.steps": steps}),
         "metrics.log_freq": 1,
         "metrics.enable_tensorboard": "false",
         "metrics.time_attribution": "false",
@@ -62,16 +63,16 @@ def to_argv(overrides: dict) -> list[str]:
     return argv
 
 
-def read_history(folder: str) -> list[tuple[float, float]]:
-    """[(loss, grad_norm)] of every step in ``folder``/metrics.jsonl (rank 0 writes it), step order;
-    a step logged twice (a resumed run) keeps its last record."""
+def read_history(folder: str, first_step: int = 1) -> list[tuple[float, float]]:
+    """[(loss, grad_norm)] of every step from ``first_step`` on in ``folder``/metrics.jsonl (rank 0
+    writes it), step order; a step logged twice (a resumed run) keeps its last record."""
     path = os.path.join(folder, "metrics.jsonl")
     steps: dict[int, tuple[float, float]] = {}
     if os.path.exists(path):
         with open(path) as f:
             for line in f:
                 record = json.loads(line)
-                if record.get("kind") == "train":
+                if record.get("kind") == "train" and int(record["step"]) >= first_step:
                     steps[int(record["step"])] = (float(record["loss"]), float(record["grad_norm"]))
     return [steps[s] for s in sorted(steps)]
 

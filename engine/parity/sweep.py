@@ -36,20 +36,21 @@ class Sweep:
         base_argv: the user's config arguments (``--job.config_file PATH``, ``--section.key value``);
         steps: steps per run; precision: "float32" or "float64"; folder: where the run folders go;
         engage_clipping: re-run with a clipping ``max_norm`` when the config's clips no step;
+        replay: the runs resume a checkpoint (``base_argv`` names it) and stop after step ``steps``;
         say: a function printing one line of progress; env: extra environment for the ranks.
     """
 
     def __init__(self, base_argv: list[str], steps: int, precision: str, folder: str, *,
-                 engage_clipping: bool = True, say=print, env: dict | None = None):
+                 engage_clipping: bool = True, say=print, env: dict | None = None, replay: bool = False):
         self.base_argv, self.steps, self.precision, self.folder = list(base_argv), steps, precision, folder
-        self.engage_clipping, self.say, self.env = engage_clipping, say, env
+        self.engage_clipping, self.say, self.env, self.replay = engage_clipping, say, env, replay
         self.extra: dict = {}  # overrides the sweep adds to every run (training.max_norm)
         self.reference = None
         self.reference_weights = None
         self.clipping: dict = {}
 
     def _run(self, layout: Layout, tag: str):
-        overrides = {**layout.overrides, **self.extra, **parity_overrides(os.path.join(self.folder, tag), self.steps)}
+        overrides = {**layout.overrides, **self.extra, **parity_overrides(os.path.join(self.folder, tag), self.steps, self.replay)}
         return launch(self.base_argv, overrides, layout.world_size, os.path.join(self.folder, tag), env=self.env)
 
     def run_reference(self, max_norm: float) -> dict:
@@ -103,6 +104,18 @@ class Sweep:
         row["passed"] = bool(diffs["passed"] and params_ok and not result.error)
         row["seconds_total"] = round(time.perf_counter() - start, 1)
         return row
+
+
+def original_row(run_folder: str, sweep: Sweep, start_step: int) -> dict:
+    """The report row of a replayed run's own metrics.jsonl (steps after ``start_step``) against the
+    one-process replay: whether the data and numerics of those steps come back (no parameters: the
+    run may not have saved at the step)."""
+    from engine.parity.runs import read_history
+
+    history = read_history(run_folder, first_step=start_step + 1)[:len(sweep.reference.history)]
+    diffs = history_differences(history, sweep.reference.history, sweep.precision)
+    return {"layout": "original run", "world_size": "-", "history": history, "seconds": 0.0, "error": None,
+            **diffs, "params": None, "params_tensor": None, "params_missing": [], "passed": diffs["passed"]}
 
 
 def progress_line(row: dict) -> str:

@@ -270,6 +270,8 @@ class Trainer:
         """Run until ``training.steps`` (or ``steps`` more steps); returns the per-step records kept
         in ``history`` (the last ``HISTORY_STEPS``; metrics.jsonl has every logged step)."""
         last = self.cfg.training.steps if steps is None else self.step + steps
+        if self.cfg.training.stop_after_step > 0:  # the schedule still spans training.steps
+            last = min(last, self.cfg.training.stop_after_step)
         gc_freq = self.cfg.training.gc_freq
         if gc_freq > 0:
             gc.disable()  # collect at fixed steps so ranks do not stall each other at random times

@@ -154,6 +154,8 @@ def _grouped_mm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     if x.dtype != torch.bfloat16 and (x.device.type == "cuda" or torch.compiler.is_compiling()):
         return False
+    if x.dtype == torch.float64:  # no float64 kernel (the float64 reference mode loops)
+        return False
     if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 8:
         return False
     row_bytes = x.element_size()
