@@ -105,6 +105,7 @@ def _sweep(tmp_path, layouts: str, env: dict | None = None, extra: list[str] = (
     return proc, json.loads(report.read_text())
 
 
+@pytest.mark.slow  # runs through the launcher (see pyproject.toml)
 def test_parity_sweep_passes_and_reports(tmp_path):
     proc, report = _sweep(tmp_path, "fsdp2,tp2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -117,6 +118,7 @@ def test_parity_sweep_passes_and_reports(tmp_path):
     assert "2/2 layouts pass" in proc.stdout
 
 
+@pytest.mark.slow  # runs through the launcher (see pyproject.toml)
 def test_parity_sweep_fails_a_defect_of_one_layout(tmp_path):
     env = {"PYTHONPATH": os.pathsep.join([DEFECTS, REPO]), "QUADRA_TEST_DEFECT": "tp_scale:layers.0.attention.wo"}
     proc, report = _sweep(tmp_path, "tp2", env)
@@ -126,6 +128,7 @@ def test_parity_sweep_fails_a_defect_of_one_layout(tmp_path):
     assert "FAIL (step 1)" in proc.stdout
 
 
+@pytest.mark.slow  # runs through the launcher (see pyproject.toml)
 def test_float64_sweep_matches_to_1e12(tmp_path):
     """The float64 reference mode: pipeline and context parallel (the fp32 sweep above has FSDP and TP)
     agree with one process to 1e-12 over 5 steps with clipping on both sides of MAX_NORM."""
@@ -151,9 +154,34 @@ def test_float64_mode_refuses_what_it_cannot_do(overrides, words):
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.slow  # runs through the launcher (see pyproject.toml)
+def test_replay_resumes_the_newest_checkpoint_before_the_step(tmp_path):
+    """A 4-step run saving at step 2, replayed to step 4 under fsdp2: every run starts from step-2 and
+    trains steps 3-4 with the run's schedule (training.steps stays 5), the one-process replay gives
+    the run's own logged losses (resume is exact) and fsdp2 agrees with it."""
+    from engine.parity.runs import launch
+
+    argv = ["--job.config_file", os.path.join(REPO, "train_configs", "debug_model.toml"),
+            *[a for a in base_args(str(tmp_path / "run"))], "--training.stop_after_step", "4",
+            "--checkpoint.interval", "2", "--validation.enable", "false", "--parallelism.dp_shard", "1"]
+    run = launch(argv, {}, 1, str(tmp_path / "run"))
+    assert run.error is None and len(run.history) == 4, run.error
+    report = tmp_path / "replay.json"
+    proc = subprocess.run([sys.executable, SCRIPT, "--replay", str(tmp_path / "run"), "--step", "4",
+                           "--layouts", "fsdp2", "--json", str(report)], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "from its checkpoint step-2 to step 4" in proc.stdout
+    rows = json.loads(report.read_text())["layouts"]
+    assert [row["layout"] for row in rows] == ["original run", "fsdp2"]
+    assert [tuple(h) for h in rows[0]["history"]] == run.history[2:] and rows[0]["loss"] == 0.0, rows[0]
+    assert len(rows[1]["history"]) == 2 and rows[1]["passed"], rows[1]
+
+
 def test_bad_input_is_one_line(tmp_path):
     for args, words in ((["--layouts", "tp3"], "layout tp3:"), (["--layouts", "fsdp2y"], "is not one of"),
-                        (["--config", str(tmp_path / "none.toml")], "no such file")):
+                        (["--config", str(tmp_path / "none.toml")], "no such file"),
+                        (["--replay", str(tmp_path)], "no config.toml")):
         proc = subprocess.run([sys.executable, SCRIPT, *args], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and words in proc.stderr, (args, proc.stderr)
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
