@@ -25,7 +25,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 _RESHARD_CHOICES = ("default", "always", "never")
 # ``training.mixed_precision_param`` / ``mixed_precision_reduce`` -> the dtype FSDP2 / DDP use.
-MIXED_PRECISION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MIXED_PRECISION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 # Each FSDP unit's configured reshard-after-forward (restored after a step without per-microbatch sync).
 _RESHARD_AFTER_FORWARD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

@@ -118,7 +118,7 @@ def clip_grad_norm_(
             (device, dtype).
 
     Returns:
-        The total norm before clipping, a 0-dim fp32 tensor equal on every rank.
+        The total norm before clipping, a 0-dim fp32 tensor (fp64 for fp64 gradients) equal on every rank.
 
     Gradients with a pending reduction (Partial DTensors, e.g. sequence-parallel norm weights)
     are reduced first and replace ``param.grad``.
@@ -131,7 +131,8 @@ def clip_grad_norm_(
     squared = _squared_norm(grads)
     if pp_group is not None:
         dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=pp_group)
-    total_norm = squared.sqrt().float()
+    # float32, or float64 for float64 gradients (the float64 reference mode): clip and log at that precision
+    total_norm = squared.sqrt().to(torch.promote_types(grads[0].dtype, torch.float32))
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
         # Scale the local shards in place (to_local shares storage): one code path whatever mesh a

@@ -120,6 +120,22 @@ def export_model_weights(checkpoint_dir: str, out_path: str, dtype: str | None =
         raise CheckpointError(f"{out_path!r} already exists; choose a new output file or remove it")
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    weights = load_model_weights(checkpoint_dir)
+    if dtype is not None:
+        weights = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in weights.items()}
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    torch.save(weights, out_path)
+    return len(weights)
+
+
+def load_model_weights(checkpoint_dir: str) -> dict[str, torch.Tensor]:
+    """The model weights of a DCP checkpoint saved under any layout, as {FQN: full tensor} in the
+    saved dtype, in this process's memory (one process, no process group).
+
+    Raises:
+        CheckpointError: not a DCP checkpoint folder, damaged (see :func:`check_intact`), or no model
+            weights in it.
+    """
     if not os.path.isfile(os.path.join(checkpoint_dir, files.DCP_METADATA)):
         raise CheckpointError(f"{checkpoint_dir!r} is not a DCP checkpoint folder (no {files.DCP_METADATA})")
     check_intact(checkpoint_dir)
@@ -132,11 +148,7 @@ def export_model_weights(checkpoint_dir: str, out_path: str, dtype: str | None =
                                 dtype=entries[f"{MODEL_KEY}.{key}"].properties.dtype) for key in keys}
     with quiet_single_process():
         dcp.load({MODEL_KEY: weights}, checkpoint_id=checkpoint_dir, no_dist=True)
-    if dtype is not None:
-        weights = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in weights.items()}
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    torch.save(weights, out_path)
-    return len(weights)
+    return weights
 
 
 def import_model_weights(weights_path: str, checkpoint_dir: str) -> str:

@@ -53,7 +53,7 @@ _CLASSES: dict[str, dict[str, tuple[str, ...]]] = {
     EXECUTION: {
         "job": ("config_file", "dump_folder", "description", "print_config", "dry_run", "dry_run_gpu"),
         "validation": ("enable", "path", "freq", "steps"),
-        "training": ("local_batch_size", "gc_freq"),
+        "training": ("local_batch_size", "gc_freq", "stop_after_step"),
         "parallelism": (
             "dp_replicate", "dp_shard", "cp", "cp_rotate_method", "cp_load_balance", "tp", "pp", "pp_schedule",
             "pp_microbatch_size", "pp_stages_per_rank", "pp_layers_per_stage", "pp_split_points",

@@ -106,11 +106,14 @@ class TrainingSection:
     max_norm: float = _opt(1.0, "gradient clipping norm; <= 0 disables clipping")
     seed: int = _opt(0, "random seed for init, data order and dropout")
     deterministic: bool = _opt(False, "use deterministic algorithms (slower)")
-    mixed_precision_param: str = _opt("float32", "dtype of parameters in compute: float32|bfloat16",
-                                      choices=("float32", "bfloat16"))
-    mixed_precision_reduce: str = _opt("float32", "dtype of gradient reduction: float32|bfloat16",
-                                       choices=("float32", "bfloat16"))
+    mixed_precision_param: str = _opt("float32", "dtype of parameters in compute: float32|bfloat16|float64 "
+                                      "(float64: the reference mode, everything in float64, with reduce float64)",
+                                      choices=("float32", "bfloat16", "float64"))
+    mixed_precision_reduce: str = _opt("float32", "dtype of gradient reduction: float32|bfloat16|float64",
+                                       choices=("float32", "bfloat16", "float64"))
     gc_freq: int = _opt(50, "run gc.collect() every N steps (0: leave Python's GC on)")
+    stop_after_step: int = _opt(-1, "stop after this step, the LR schedule still spanning training.steps "
+                                    "(./scripts/parity.py --replay); -1: train to training.steps")
 
 
 @dataclass

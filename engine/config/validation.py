@@ -31,6 +31,8 @@ def range_problems(cfg) -> list[str]:
          f"must be a multiple of training.local_batch_size = {t.local_batch_size}"),
         (t.seq_len <= 0, "training.seq_len", t.seq_len, "must be > 0 tokens"),
         (t.gc_freq < 0, "training.gc_freq", t.gc_freq, "must be >= 0 (0 leaves Python's GC on)"),
+        (t.stop_after_step == 0 or t.stop_after_step < -1, "training.stop_after_step", t.stop_after_step,
+         "must be -1 (train to training.steps) or a step >= 1"),
         (cfg.model.vocab_size == 0 or cfg.model.vocab_size < -1, "model.vocab_size",
          cfg.model.vocab_size, "must be -1 (the flavor's size) or a positive vocabulary size"),
         (o.lr <= 0, "optimizer.lr", o.lr, "must be > 0"),
@@ -60,6 +62,12 @@ def range_problems(cfg) -> list[str]:
         (cfg.loss.chunk_tokens < 0, "loss.chunk_tokens", cfg.loss.chunk_tokens,
          "must be >= 0 tokens (0: the unfused loss over full logits; e.g. 256)"),
     ]
+    fp64 = (t.mixed_precision_param == "float64", t.mixed_precision_reduce == "float64")
+    checks.append((fp64[0] != fp64[1], "training.mixed_precision_reduce", t.mixed_precision_reduce,
+                   "and mixed_precision_param must both be float64 (the float64 reference mode computes "
+                   "and reduces everything in float64) or neither; set both to \"float64\""))
+    checks.append((fp64[0] and cfg.compile.enable, "compile.enable", True,
+                   "is not verified in the float64 reference mode; set compile.enable = false"))
     checks.append((p.pp > 1 and not p.grad_sync_each_microbatch, "parallelism.grad_sync_each_microbatch", False,
                    "has no effect with pp > 1 (the pipeline schedule reduces gradients once per step "
                    "itself); leave it true"))

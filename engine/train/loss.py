@@ -14,10 +14,11 @@ def token_sum_loss(logits: torch.Tensor, labels: torch.Tensor, global_tokens: to
 
     Summing this over every microbatch of every data-parallel rank gives the mean token loss of the
     global batch, so gradients do not depend on how the batch is split (engine/train/trainer.py). With the
-    default ``global_tokens = 1`` it is the plain token sum (evaluation).
+    default ``global_tokens = 1`` it is the plain token sum (evaluation). Computed in float32, or
+    float64 for float64 logits (the float64 reference mode).
     """
     loss_sum = F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
+        logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
     )
     return loss_sum / global_tokens
 

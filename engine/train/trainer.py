@@ -137,6 +137,8 @@ class Trainer:
     def _build_model(self) -> list[torch.nn.Module]:
         t = self.cfg.training
         torch.manual_seed(t.seed)
+        if t.mixed_precision_param == "float64":  # the float64 reference mode: parameters, buffers,
+            torch.set_default_dtype(torch.float64)  # activations and optimizer state (restored by close)
         if t.deterministic:
             torch.use_deterministic_algorithms(True)
         parts, self.nparams, self.flops_per_token = build_model_parts(
@@ -311,6 +313,8 @@ class Trainer:
         """Run until ``training.steps`` (or ``steps`` more steps); returns the per-step records kept
         in ``history`` (the last ``HISTORY_STEPS``; metrics.jsonl has every logged step)."""
         last = self.cfg.training.steps if steps is None else self.step + steps
+        if self.cfg.training.stop_after_step > 0:  # the schedule still spans training.steps
+            last = min(last, self.cfg.training.stop_after_step)
         gc_freq = self.cfg.training.gc_freq
         if gc_freq > 0:
             gc.disable()  # collect at fixed steps so ranks do not stall each other at random times
@@ -403,3 +407,5 @@ class Trainer:
         self.stop_request.restore()
         self.profiler.close()
         self.metrics.close()
+        if self.cfg.training.mixed_precision_param == "float64":
+            torch.set_default_dtype(torch.float32)

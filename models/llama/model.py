@@ -64,7 +64,8 @@ def precompute_rope(
 
     angle[p, i] = p * f_i for position p < max_seq_len and pair i < head_dim/2, with the
     frequencies f of :func:`rope_frequencies` (``scaling``: Llama 3.1's, or None).
-    Computed in float64 (positions up to 131072 lose ~1e-2 rad in float32), returned as float32.
+    Computed in float64 (positions up to 131072 lose ~1e-2 rad in float32), returned as float32
+    (float64 when that is torch's default dtype: the float64 reference mode).
 
     Returns:
         (cos, sin), each float32 [max_seq_len, head_dim // 2] on `device` (default device if None).
@@ -72,7 +73,8 @@ def precompute_rope(
     inv_freq = rope_frequencies(head_dim, theta, scaling, device=device)
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float64)
     angles = torch.outer(positions, inv_freq)
-    return angles.cos().float(), angles.sin().float()
+    dtype = torch.promote_types(torch.get_default_dtype(), torch.float32)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -85,7 +87,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     Returns:
         [B, S, H, head_dim] in the dtype of `x` (the rotation itself runs in float32).
     """
-    pairs = x.float().unflatten(-1, (-1, 2))  # [B, S, H, head_dim/2, 2]
+    pairs = x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2))  # [B, S, H, head_dim/2, 2]
     x0, x1 = pairs.unbind(-1)
     cos = cos.unsqueeze(-2) if cos.dim() == 3 else cos[None, :, None, :]
     sin = sin.unsqueeze(-2) if sin.dim() == 3 else sin[None, :, None, :]

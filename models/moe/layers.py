@@ -73,8 +73,9 @@ def combine_expert_outputs(
     """
     num_tokens, top_k = weights.shape
     n_routed = expert_out.shape[0]
-    slots = expert_out.new_zeros(num_tokens * top_k, expert_out.shape[1], dtype=torch.float32)
-    slots = slots.index_copy(0, order[:n_routed], expert_out.float())
+    dtype = torch.promote_types(expert_out.dtype, torch.float32)  # float64 in the float64 reference mode
+    slots = expert_out.new_zeros(num_tokens * top_k, expert_out.shape[1], dtype=dtype)
+    slots = slots.index_copy(0, order[:n_routed], expert_out.to(dtype))
     return (slots.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)).sum(dim=1)
 
 
@@ -121,9 +122,10 @@ class TokenChoiceRouter(nn.Module):
             expert_ids: LongTensor [T, K], in descending order of biased score.
             scores: float32 [T, E], softmax or sigmoid of the gate logits (for the balance loss).
         """
-        logits = self.gate(x).float()
+        logits = self.gate(x)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float64 stays float64
         scores = torch.sigmoid(logits) if self.score_func == "sigmoid" else torch.softmax(logits, dim=-1)
-        choice = scores if self.expert_bias is None else scores + self.expert_bias.float()
+        choice = scores if self.expert_bias is None else scores + self.expert_bias.to(scores.dtype)
         # The bias moves tokens between experts, but gradients flow only through the plain scores.
         expert_ids = torch.topk(choice.detach(), self.top_k, dim=-1, sorted=True).indices
         weights = scores.gather(-1, expert_ids)
@@ -151,6 +153,8 @@ def _grouped_mm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm") or x.device.type not in _GROUPED_MM_ALIGN:
         return False
     if x.dtype != torch.bfloat16 and (x.device.type == "cuda" or torch.compiler.is_compiling()):
+        return False
+    if x.dtype == torch.float64:  # no float64 kernel (the float64 reference mode loops)
         return False
     if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 8:
         return False

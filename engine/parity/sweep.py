@@ -1,0 +1,150 @@
+"""The parity sweep behind ``./scripts/parity.py``: the one-process reference, then every layout, each
+compared with it (engine/parity/compare.py), with clipping engaged.
+
+Clipping: a layout that reduces the grad norm wrongly (a missing mesh in the sum) only changes the
+trained weights when the norm is clipped. When no step of the reference clips (every grad norm under
+``training.max_norm``) the sweep says so, with a ``max_norm`` that would clip some steps
+(:func:`engine.parity.compare.engaging_max_norm`), and by default runs the reference again and every
+layout with it (``engage_clipping=False`` keeps the config's and only reports).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from engine.parity.compare import (TOLERANCES, clipping_sides, engaging_max_norm, history_differences,
+                                   parameter_differences)
+from engine.parity.layouts import REFERENCE, Layout, parse_layout
+from engine.parity.runs import launch, parity_overrides
+
+PRECISIONS = {"fp32": "float32", "fp64": "float64"}
+
+
+def _weights(result):
+    if result.checkpoint is None:
+        return None
+    from engine.checkpoint.tools import load_model_weights
+
+    return load_model_weights(result.checkpoint)
+
+
+class Sweep:
+    """One parity sweep (see the module docstring).
+
+    Args:
+        base_argv: the user's config arguments (``--job.config_file PATH``, ``--section.key value``);
+        steps: steps per run; precision: "float32" or "float64"; folder: where the run folders go;
+        engage_clipping: re-run with a clipping ``max_norm`` when the config's clips no step;
+        replay: the runs resume a checkpoint (``base_argv`` names it) and stop after step ``steps``;
+        say: a function printing one line of progress; env: extra environment for the ranks.
+    """
+
+    def __init__(self, base_argv: list[str], steps: int, precision: str, folder: str, *,
+                 engage_clipping: bool = True, say=print, env: dict | None = None, replay: bool = False):
+        self.base_argv, self.steps, self.precision, self.folder = list(base_argv), steps, precision, folder
+        self.engage_clipping, self.say, self.env, self.replay = engage_clipping, say, env, replay
+        self.extra: dict = {}  # overrides the sweep adds to every run (training.max_norm)
+        self.reference = None
+        self.reference_weights = None
+        self.clipping: dict = {}
+
+    def _run(self, layout: Layout, tag: str):
+        overrides = {**layout.overrides, **self.extra, **parity_overrides(os.path.join(self.folder, tag), self.steps, self.replay)}
+        return launch(self.base_argv, overrides, layout.world_size, os.path.join(self.folder, tag), env=self.env)
+
+    def run_reference(self, max_norm: float) -> dict:
+        """Train the one-process reference (twice when clipping has to be engaged); returns the
+        ``clipping`` record: {"max_norm", "clipped_steps", "unclipped_steps", "engaged", "note"}.
+
+        Raises:
+            RuntimeError: the reference run failed (its launcher's last lines).
+        """
+        reference = parse_layout(REFERENCE)
+        self.reference = self._run(reference, "reference")
+        if self.reference.error:
+            raise RuntimeError(f"the one-process reference failed: {self.reference.error}")
+        clipped, unclipped = clipping_sides(self.reference.history, max_norm)
+        note = ""
+        if clipped == 0:
+            suggested = engaging_max_norm(self.reference.history)
+            norms = [n for _, n in self.reference.history]
+            note = (f"clipping not engaged: every grad norm ({min(norms):.4g} to {max(norms):.4g}) is under "
+                    f"training.max_norm {max_norm:g}; training.max_norm {suggested:g} would engage it")
+            self.say(note)
+            if self.engage_clipping:
+                self.extra["training.max_norm"] = suggested
+                max_norm = suggested
+                self.say(f"running the reference and every layout with --training.max_norm {suggested:g}")
+                self.reference = self._run(reference, "reference_clipped")
+                if self.reference.error:
+                    raise RuntimeError(f"the one-process reference failed: {self.reference.error}")
+                clipped, unclipped = clipping_sides(self.reference.history, max_norm)
+        self.reference_weights = _weights(self.reference)
+        self.clipping = {"max_norm": max_norm, "clipped_steps": clipped, "unclipped_steps": unclipped,
+                         "engaged": clipped > 0, "note": note}
+        return self.clipping
+
+    def compare(self, layout: Layout) -> dict:
+        """Train ``layout`` and compare it with the reference; returns its report row."""
+        start = time.perf_counter()
+        result = self._run(layout, layout.name.replace(":", "_"))
+        row = {"layout": layout.name, "world_size": layout.world_size, "overrides": {**layout.overrides, **self.extra},
+               "history": result.history, "seconds": round(result.seconds, 1), "error": result.error}
+        diffs = history_differences(result.history, self.reference.history, self.precision)
+        row.update(diffs)
+        weights = _weights(result) if not result.error else None
+        if weights is not None and self.reference_weights is not None:
+            worst, name, missing = parameter_differences(weights, self.reference_weights)
+            row.update(params=worst, params_tensor=name, params_missing=missing)
+            params_ok = not missing and worst <= TOLERANCES[self.precision][1]
+        else:
+            row.update(params=None, params_tensor=None, params_missing=[])
+            params_ok = False
+        row["passed"] = bool(diffs["passed"] and params_ok and not result.error)
+        row["seconds_total"] = round(time.perf_counter() - start, 1)
+        return row
+
+
+def original_row(run_folder: str, sweep: Sweep, start_step: int) -> dict:
+    """The report row of a replayed run's own metrics.jsonl (steps after ``start_step``) against the
+    one-process replay: whether the data and numerics of those steps come back (no parameters: the
+    run may not have saved at the step)."""
+    from engine.parity.runs import read_history
+
+    history = read_history(run_folder, first_step=start_step + 1)[:len(sweep.reference.history)]
+    diffs = history_differences(history, sweep.reference.history, sweep.precision)
+    return {"layout": "original run", "world_size": "-", "history": history, "seconds": 0.0, "error": None,
+            **diffs, "params": None, "params_tensor": None, "params_missing": [], "passed": diffs["passed"]}
+
+
+def progress_line(row: dict) -> str:
+    """One line per finished layout: verdict, worst differences, seconds."""
+    def number(key):
+        return "n/a" if row.get(key) is None else f"{row[key]:.2e}"
+    return (f"{row['layout']}: {'pass' if row['passed'] else 'FAIL'}  loss {number('loss')}  grad_norm "
+            f"{number('grad_norm')}  params {number('params')}  ({row['seconds']:.0f} s)")
+
+
+def format_table(rows: list[dict], precision: str) -> str:
+    """The report table: per layout the worst relative difference of loss, grad norm (with its step)
+    and final parameters, pass/fail at ``precision``'s tolerance and the run's seconds."""
+    first, later = TOLERANCES[precision]
+    head = ("layout", "procs", "loss rel diff", "grad_norm rel diff", "params rel diff", "result", "time")
+    lines = [head]
+    for row in rows:
+        def cell(key):
+            value = row.get(key)
+            step = row.get(f"{key}_step")
+            return "n/a" if value is None else f"{value:.2e}" + (f" (step {step})" if step else "")
+        verdict = "pass" if row["passed"] else ("FAIL: run failed" if row.get("error") else
+                                                 f"FAIL (step {row['first_failing_step']})"
+                                                 if row.get("first_failing_step") else "FAIL (params)")
+        lines.append((row["layout"], str(row["world_size"]), cell("loss"), cell("grad_norm"), cell("params"),
+                      verdict, f"{row['seconds']:.0f} s"))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    text = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
+    text.insert(1, "  ".join("-" * w for w in widths))
+    text.append(f"tolerance ({precision}): relative {first:g} at step 1, {later:g} at later steps and for "
+                f"the final parameters (max|a-b| / max|b| per tensor)")
+    return "\n".join(text)
