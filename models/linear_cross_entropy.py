@@ -95,11 +95,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         valid = labels != IGNORE_INDEX
         owned = (local_labels >= 0) & (local_labels < rows) & valid  # this rank's vocab rows
         local_labels = local_labels.masked_fill(~owned, 0)
-        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        target = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        acc = torch.promote_types(hidden.dtype, torch.float32)  # float64 in the float64 reference mode
+        lse = torch.empty(n, dtype=acc, device=hidden.device)
+        target = torch.zeros(n, dtype=acc, device=hidden.device)
         grads = None
         if want_grads:
-            grads = (torch.empty_like(hidden), torch.zeros(weight.shape, dtype=torch.float32, device=weight.device))
+            grads = (torch.empty_like(hidden), torch.zeros(weight.shape, dtype=acc, device=weight.device))
         for start in range(0, n, chunk_tokens):
             end = min(start + chunk_tokens, n)
             lse[start:end] = _chunk(hidden[start:end], weight, local_labels[start:end], owned[start:end],
@@ -127,7 +128,7 @@ def _chunk(hidden, weight, local_labels, owned, valid, target, group, grads):
     gradient of 1. One [c, V_local] fp32 buffer holds the logits, then exp, then the softmax
     gradient (in place), plus the matmul's own output when it is not fp32 (bf16 autocast)."""
     logits = F.linear(hidden, weight)  # [c, V_local] in the compute dtype (bf16 under autocast)
-    probs = logits.float()  # the same tensor when fp32
+    probs = logits.to(torch.promote_types(logits.dtype, torch.float32))  # the same tensor when fp32 or fp64
     target.copy_(probs.gather(1, local_labels[:, None]).squeeze(1).masked_fill(~owned, 0.0))
     peak = probs.amax(dim=-1, keepdim=True)
     total = probs.sub_(peak).exp_().sum(dim=-1)  # probs = exp(logits - peak)
@@ -143,7 +144,7 @@ def _chunk(hidden, weight, local_labels, owned, valid, target, group, grads):
     grad_logits = probs.to(logits.dtype)
     del logits
     grad_hidden.copy_(grad_logits @ weight)  # a partial sum over the vocab rows under tensor parallel
-    if grad_logits.dtype == hidden.dtype == grad_weight.dtype:  # fp32
+    if grad_logits.dtype == hidden.dtype == grad_weight.dtype:  # fp32 (or fp64)
         grad_weight.addmm_(grad_logits.t(), hidden)
     else:  # bf16 chunk products (bf16 parameters, or autocast), summed in fp32
         grad_weight += grad_logits.t() @ hidden
