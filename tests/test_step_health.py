@@ -46,6 +46,9 @@ def test_nonfinite_values_stop_or_skip_and_consecutive_skips_stop():
     verdict = stop.judge(7, float("nan"), 1.0)
     assert verdict.skip and verdict.reason == "nonfinite_loss"
     assert verdict.fatal.startswith("loss is nan (grad_norm 1.0) at step 7: training diverged")
+    assert "training.max_norm" not in verdict.fatal  # clipping is on: no hint to turn it on
+    unclipped = StepHealth(_policy(on_nonfinite="stop"), clipping=False).judge(7, float("nan"), 1.0).fatal
+    assert ", set training.max_norm to clip gradients, or set step_health.on_nonfinite" in unclipped
     skip = StepHealth(_policy(max_consecutive_skips=2))
     first = skip.judge(1, 1.0, float("inf"))
     assert (first.reason, first.skip, first.fatal) == ("nonfinite_grad_norm", True, None)

@@ -88,13 +88,15 @@ class StepHealth:
     Args:
         cfg: the ``[step_health]`` section (on_nonfinite, loss_spike_sigma, grad_norm_spike_sigma,
             window, max_consecutive_skips), validated by engine/config/validation.py.
+        clipping: whether gradients are clipped (``training.max_norm > 0``); named in the stop line.
 
     Attributes: ``skipped`` (steps skipped so far in the run, resumes included), ``consecutive``
     (skipped in a row up to the last judged step), ``skipped_by_reason`` ({reason: count}).
     """
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, *, clipping: bool = True):
         self.cfg = cfg
+        self.clipping = clipping  # training.max_norm > 0: else the stop line suggests clipping
         self.window: collections.deque[tuple[float, float]] = collections.deque(maxlen=cfg.window)
         self.skipped = 0
         self.consecutive = 0
@@ -129,7 +131,8 @@ class StepHealth:
             verdict.skip = True
             if self.cfg.on_nonfinite == "stop":
                 verdict.fatal = (f"loss is {loss} (grad_norm {grad_norm}) at step {step}: training diverged; no "
-                                 "update was applied. Lower optimizer.lr or raise lr_scheduler.warmup_steps, or set "
+                                 "update was applied. Lower optimizer.lr or raise lr_scheduler.warmup_steps"
+                                 f"{'' if self.clipping else ', set training.max_norm to clip gradients'}, or set "
                                  'step_health.on_nonfinite = "skip" to skip such steps')
         elif checks and len(self.window) >= self.min_samples:
             stats = self.statistics()

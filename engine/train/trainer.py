@@ -103,7 +103,7 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.step = 0
         self.tokens_seen = 0
-        self.step_health = StepHealth(cfg.step_health)
+        self.step_health = StepHealth(cfg.step_health, clipping=cfg.training.max_norm > 0)
         self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY_STEPS)
         # What this run trains (engine/config/fingerprint.py), in metrics.jsonl and every checkpoint.
         self.fingerprint = run_fingerprint(config_to_toml(cfg), self.global_batch_size)
