@@ -51,6 +51,9 @@ def _tables(**changes_by_key) -> dict:
     ("training__mixed_precision_param", "bfloat16", True),
     ("optimizer__lr", 1e-3, False), ("training__seed", 1, False), ("data__shuffle", False, False),
     ("model__flavor", "8B", False), ("training__steps", 7, False), ("lr_scheduler__warmup_steps", 3, False),
+    # Which updates are applied changes the model; when to give up on skips does not.
+    ("step_health__on_nonfinite", "skip", False), ("step_health__loss_spike_sigma", 6.0, False),
+    ("step_health__window", 64, False), ("step_health__max_consecutive_skips", 1, True),
 ])
 def test_fingerprint_follows_convergence_keys_only(key, value, same):
     assert (fingerprint(_tables(**{key: value})) == fingerprint(_tables())) is same

@@ -46,6 +46,9 @@ def test_nonfinite_values_stop_or_skip_and_consecutive_skips_stop():
     verdict = stop.judge(7, float("nan"), 1.0)
     assert verdict.skip and verdict.reason == "nonfinite_loss"
     assert verdict.fatal.startswith("loss is nan (grad_norm 1.0) at step 7: training diverged")
+    assert "training.max_norm" not in verdict.fatal  # clipping is on: no hint to turn it on
+    unclipped = StepHealth(_policy(on_nonfinite="stop"), clipping=False).judge(7, float("nan"), 1.0).fatal
+    assert ", set training.max_norm to clip gradients, or set step_health.on_nonfinite" in unclipped
     skip = StepHealth(_policy(max_consecutive_skips=2))
     first = skip.judge(1, 1.0, float("inf"))
     assert (first.reason, first.skip, first.fatal) == ("nonfinite_grad_norm", True, None)
@@ -288,3 +291,25 @@ def test_a_checkpoint_from_before_step_health_resumes_with_fresh_statistics(tmp_
     # DCP refuses to load a key the checkpoint lacks: the load asks only for the trainer keys saved.
     assert [(h[0], h[3]) for h in got["history"]] == [(3, None), (4, None), (5, None), (6, None)]
     assert got["error"] is None and got["step"] == 6
+
+
+def test_skip_records_reach_metrics_jsonl_and_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from engine.observe.metrics import MetricsLogger
+
+    cfg = types.SimpleNamespace(log_freq=1, enable_tensorboard=True, save_tb_folder="tb", peak_tflops=0.0,
+                                log_all_ranks=False)
+    log = MetricsLogger(cfg, str(tmp_path), rank=0, is_logging_rank=True, flops_per_token=1.0, training_steps=9)
+    log.log_event("skipped_step", {"step": 4, "reason": "loss_spike", "value": 85.6, "zscore": 441.2, "skipped_total": 1})
+    log.log_event("skipped_step", {"step": 5, "reason": "nonfinite_grad_norm", "value": float("nan"), "zscore": None,
+                                   "skipped_total": 2})
+    log.close()
+    with open(tmp_path / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert [(r["kind"], r["step"], r["reason"], r["value"], r["zscore"]) for r in records] == [
+        ("skipped_step", 4, "loss_spike", 85.6, 441.2), ("skipped_step", 5, "nonfinite_grad_norm", None, None)]
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [(e.step, round(e.value, 1)) for e in acc.Scalars("skipped_step/zscore")] == [(4, 441.2)]
+    assert [(e.step, e.value) for e in acc.Scalars("skipped_step/skipped_total")] == [(4, 1.0), (5, 2.0)]

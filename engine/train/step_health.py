@@ -59,8 +59,8 @@ class Verdict:
         zscore: (value - window mean) / window std; inf when std is 0, None without statistics.
         skip: the update is withheld (also on a fatal step: no update reaches the weights).
         fatal: one line saying why the run stops here, or None.
-        statistics: window mean, std and count of loss and gradient norm before this step, the
-            consecutive and total skips after it.
+        statistics: for a skipped or fatal step, the window's count, mean and std of loss and
+            gradient norm before this step, and the consecutive and total skips after it; else {}.
     """
 
     step: int
@@ -88,13 +88,15 @@ class StepHealth:
     Args:
         cfg: the ``[step_health]`` section (on_nonfinite, loss_spike_sigma, grad_norm_spike_sigma,
             window, max_consecutive_skips), validated by engine/config/validation.py.
+        clipping: whether gradients are clipped (``training.max_norm > 0``); named in the stop line.
 
     Attributes: ``skipped`` (steps skipped so far in the run, resumes included), ``consecutive``
     (skipped in a row up to the last judged step), ``skipped_by_reason`` ({reason: count}).
     """
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, *, clipping: bool = True):
         self.cfg = cfg
+        self.clipping = clipping  # training.max_norm > 0: else the stop line suggests clipping
         self.window: collections.deque[tuple[float, float]] = collections.deque(maxlen=cfg.window)
         self.skipped = 0
         self.consecutive = 0
@@ -115,18 +117,25 @@ class StepHealth:
         return stats
 
     def judge(self, step: int, loss: float, grad_norm: float) -> Verdict:
-        """Judge step ``step`` and record it (window or skip counters); see the module docstring."""
-        stats = self.statistics()
+        """Judge step ``step`` and record it (window or skip counters); see the module docstring.
+
+        The window statistics (O(window) exact sums) are computed only when a spike check is on and
+        the window is half full, or for an unhealthy step's capsule: with the defaults a healthy
+        step costs a deque append."""
         verdict = Verdict(step, loss, grad_norm)
+        stats = None
+        checks = self.cfg.loss_spike_sigma > 0 or self.cfg.grad_norm_spike_sigma > 0
         if not math.isfinite(loss) or not math.isfinite(grad_norm):
             verdict.reason = NONFINITE_LOSS if not math.isfinite(loss) else NONFINITE_GRAD_NORM
             verdict.value = loss if verdict.reason == NONFINITE_LOSS else grad_norm
             verdict.skip = True
             if self.cfg.on_nonfinite == "stop":
                 verdict.fatal = (f"loss is {loss} (grad_norm {grad_norm}) at step {step}: training diverged; no "
-                                 "update was applied. Lower optimizer.lr or raise lr_scheduler.warmup_steps, or set "
+                                 "update was applied. Lower optimizer.lr or raise lr_scheduler.warmup_steps"
+                                 f"{'' if self.clipping else ', set training.max_norm to clip gradients'}, or set "
                                  'step_health.on_nonfinite = "skip" to skip such steps')
-        elif len(self.window) >= self.min_samples:
+        elif checks and len(self.window) >= self.min_samples:
+            stats = self.statistics()
             for reason, value, sigma, name in ((LOSS_SPIKE, loss, self.cfg.loss_spike_sigma, "loss"),
                                                (GRAD_NORM_SPIKE, grad_norm, self.cfg.grad_norm_spike_sigma, "grad_norm")):
                 mean, std = stats[f"{name}_mean"], stats[f"{name}_std"]
@@ -135,11 +144,12 @@ class StepHealth:
                     verdict.zscore = (value - mean) / std if std > 0 else math.inf
                     break
         if verdict.skip:
+            stats = stats or self.statistics()  # the window before this step (a skip never enters it)
             self._count_skip(verdict)
+            verdict.statistics = {**stats, "consecutive_skips": self.consecutive, "skipped_total": self.skipped}
         else:
             self.window.append((loss, grad_norm))
             self.consecutive = 0
-        verdict.statistics = {**stats, "consecutive_skips": self.consecutive, "skipped_total": self.skipped}
         return verdict
 
     def _count_skip(self, verdict: Verdict) -> None:

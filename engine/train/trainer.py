@@ -66,7 +66,8 @@ class Trainer:
     (list of modules; one without pipeline parallel), ``runner`` (engine/train/runner.py), ``history``
     (the last ``HISTORY_STEPS`` per-step records), ``parallel_dims``, ``dist``, ``tokens_seen``
     (label tokens of all completed steps), ``checkpointer``, ``stopped_by`` (the signal name when
-    a stop signal ended ``train`` early) and ``stop_saved`` (whether that stop saved a checkpoint).
+    a stop signal ended ``train`` early), ``stop_saved`` (whether that stop saved a checkpoint) and
+    ``step_health`` (the skip/stop decisions and their counters, engine/train/step_health.py).
 
     Raises (from ``__init__``, on every rank, before the model is allocated):
         ValueError and subclasses: bad degrees, tokenizer/model mismatch, seq_len too long,
@@ -102,7 +103,7 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.step = 0
         self.tokens_seen = 0
-        self.step_health = StepHealth(cfg.step_health)
+        self.step_health = StepHealth(cfg.step_health, clipping=cfg.training.max_norm > 0)
         self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY_STEPS)
         # What this run trains (engine/config/fingerprint.py), in metrics.jsonl and every checkpoint.
         self.fingerprint = run_fingerprint(config_to_toml(cfg), self.global_batch_size)
