@@ -36,6 +36,8 @@ POSITIONS = {"document_mask.restart_positions": "true"}  # restarted positions, 
 LAYOUTS = {
     "fsdp2": (*DP_LAYOUTS["fsdp2"], RESTART, "restart"),
     "fsdp2_accum2": (*DP_LAYOUTS["fsdp2_accum2"], RESTART, "restart"),
+    "ddp2": (*DP_LAYOUTS["ddp2"], RESTART, "restart"),
+    "hsdp2x2": (*DP_LAYOUTS["hsdp2x2"], MASK, "mask"),
     "tp2_sp_lp_ac_compile": (*TP_LAYOUTS["tp2_sp_lp_ac_compile"], RESTART, "restart"),
     "pp2_1f1b": (*PP_LAYOUTS["1f1b"], RESTART, "restart"),
     "pp2_interleaved_1f1b": (*PP_LAYOUTS["interleaved_1f1b_2_stages_per_rank"], RESTART, "restart"),

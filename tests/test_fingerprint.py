@@ -130,3 +130,14 @@ def test_fingerprint_in_metrics_and_checkpoints_and_a_changed_one_on_resume(tmp_
     assert second["fingerprint_change"]["keys"] == ["training.steps"]
     assert third["fingerprint_change"] == {"from": second["fingerprint"], "to": third["fingerprint"],
                                            "keys": ["training.steps", "optimizer.lr"]}
+
+
+def test_a_feature_left_off_keeps_the_fingerprint_of_runs_before_its_key():
+    """``[document_mask]`` off hashes like a config written before the section existed; on, it differs."""
+    from engine.config.fingerprint import fingerprint
+
+    before = {"training": {"seq_len": 256}, "optimizer": {"lr": 3e-4}}
+    off = {**before, "document_mask": {"enable": False, "restart_positions": False}}
+    assert fingerprint(off) == fingerprint(before)
+    for key in ("enable", "restart_positions"):
+        assert fingerprint({**before, "document_mask": {**off["document_mask"], key: True}}) != fingerprint(before)

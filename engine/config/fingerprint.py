@@ -76,6 +76,11 @@ KEY_CLASS: dict[str, str] = {
 }
 
 
+# Convergence keys of features added after runs were fingerprinted: at these values (the feature off)
+# they stay out of the hash, so a run that does not use the feature keeps the fingerprint it had
+# before the key existed (its checkpoints resume without a "changed fingerprint" warning).
+NEUTRAL_WHEN = {"document_mask.enable": False, "document_mask.restart_positions": False}
+
 GLOBAL_BATCH = "training.global_batch_size"
 # What sets the global batch when training.global_batch_size = -1 (local_batch_size x dp degree).
 SET_GLOBAL_BATCH = ("training.local_batch_size", "parallelism.dp_replicate", "parallelism.dp_shard")
@@ -103,7 +108,8 @@ def fingerprint(config: dict[str, dict[str, Any]]) -> str:
     e.g. ``tomllib.loads(config_to_toml(cfg))``), canonical JSON with sorted keys; unknown keys
     are ignored. A run passes its resolved ``training.global_batch_size`` (never -1), since -1
     means local_batch_size x dp and so depends on the layout."""
-    values = {key: value for key, value in flatten(config).items() if KEY_CLASS.get(key) == CONVERGENCE}
+    values = {key: value for key, value in flatten(config).items() if KEY_CLASS.get(key) == CONVERGENCE
+              and not (key in NEUTRAL_WHEN and value == NEUTRAL_WHEN[key])}
     canonical = json.dumps(values, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
