@@ -16,9 +16,10 @@ and nothing of size [N, V] is kept.
 
 Tensor parallel (Megatron-LM's vocab-parallel cross entropy, arXiv 1909.08053 §3): the output
 weight is vocab-sharded (a ``Shard(0)`` DTensor on the tp mesh, rows ``[r V/tp, (r+1) V/tp)`` on
-tp rank r). Each rank computes its shard's log-sum-exp per token, the tp ranks combine them with one
-all-reduce MAX and one all-reduce SUM of [N] floats, and the target logit comes from the rank that
-owns it (one all-reduce SUM). The hidden states' gradient is then a partial sum over tp, which the
+tp rank r). Each rank computes its shard's log-sum-exp per token, the tp ranks combine them chunk by
+chunk (one all-reduce MAX and one all-reduce SUM of [chunk] floats: the softmax gradient of a chunk
+needs its log-sum-exp over the whole vocabulary), and the target logit comes from the rank that owns
+it (one all-reduce SUM of [N] floats per call). The hidden states' gradient is then a partial sum over tp, which the
 DTensor redistribution of the input reduces (all-reduce, or reduce-scatter under sequence parallel).
 """
 
@@ -53,7 +54,9 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels:
         0-dim fp32 tensor, the token sum (the same value on every tp rank).
 
     Raises:
-        ValueError: ``chunk_tokens`` < 1, or hidden/labels shapes that do not match.
+        ValueError: ``chunk_tokens`` < 1, hidden/labels shapes that do not match, or a DTensor
+            weight that is not ``Shard(0)`` on a 1-D mesh.
+        RuntimeError: a second backward through the same call (the gradients are handed over once).
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
