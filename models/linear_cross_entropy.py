@@ -16,9 +16,10 @@ and nothing of size [N, V] is kept.
 
 Tensor parallel (Megatron-LM's vocab-parallel cross entropy, arXiv 1909.08053 §3): the output
 weight is vocab-sharded (a ``Shard(0)`` DTensor on the tp mesh, rows ``[r V/tp, (r+1) V/tp)`` on
-tp rank r). Each rank computes its shard's log-sum-exp per token, the tp ranks combine them with one
-all-reduce MAX and one all-reduce SUM of [N] floats, and the target logit comes from the rank that
-owns it (one all-reduce SUM). The hidden states' gradient is then a partial sum over tp, which the
+tp rank r). Each rank computes its shard's log-sum-exp per token, the tp ranks combine them chunk by
+chunk (one all-reduce MAX and one all-reduce SUM of [chunk] floats: the softmax gradient of a chunk
+needs its log-sum-exp over the whole vocabulary), and the target logit comes from the rank that owns
+it (one all-reduce SUM of [N] floats per call). The hidden states' gradient is then a partial sum over tp, which the
 DTensor redistribution of the input reduces (all-reduce, or reduce-scatter under sequence parallel).
 """
 
@@ -53,7 +54,9 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels:
         0-dim fp32 tensor, the token sum (the same value on every tp rank).
 
     Raises:
-        ValueError: ``chunk_tokens`` < 1, or hidden/labels shapes that do not match.
+        ValueError: ``chunk_tokens`` < 1, hidden/labels shapes that do not match, or a DTensor
+            weight that is not ``Shard(0)`` on a 1-D mesh.
+        RuntimeError: a second backward through the same call (the gradients are handed over once).
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
@@ -64,8 +67,15 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels:
         raise ValueError(f"hidden states {tuple(hidden.shape)} do not match labels {tuple(labels.shape)}")
     # Gradients are computed in the forward only when a backward can follow (not in evaluation).
     want_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _LinearCrossEntropy.apply(hidden.flatten(0, -2), weight, labels.flatten(), chunk_tokens, group,
-                                     vocab_start, want_grads)
+    hidden_2d = hidden.flatten(0, -2)
+    with torch.no_grad():
+        loss, grads = _fused_forward(hidden_2d, weight, labels.flatten(), chunk_tokens, group, vocab_start, want_grads)
+    if not want_grads:
+        return loss
+    # Two autograd nodes, one per input: a pipeline schedule that splits the backward (zero bubble:
+    # inputs first, weights later) runs each exactly once, and each hands its buffer over.
+    holder = {"hidden": grads[0], "weight": grads[1], "weight_dtype": weight.dtype}
+    return _HiddenGradient.apply(hidden_2d, loss, holder) + _WeightGradient.apply(weight, holder)
 
 
 def _local_operands(hidden, weight):
@@ -85,40 +95,61 @@ def _local_operands(hidden, weight):
     return local_hidden, mesh.get_group(), mesh.get_local_rank() * local_weight.shape[0], local_weight
 
 
-class _LinearCrossEntropy(torch.autograd.Function):
-    """hidden [N, dim], weight [V_local, dim], labels [N] -> Σ cross entropy (see module docstring)."""
+def _fused_forward(hidden, weight, labels, chunk_tokens, group, vocab_start, want_grads):
+    """hidden [N, dim], weight [V_local, dim], labels [N] -> (Σ cross entropy, 0-dim fp32; with
+    ``want_grads`` (G_h [N, dim], G_W [V_local, dim] fp32) for an incoming gradient of 1, else None)."""
+    n, rows = hidden.shape[0], weight.shape[0]
+    local_labels = labels - vocab_start
+    valid = labels != IGNORE_INDEX
+    owned = (local_labels >= 0) & (local_labels < rows) & valid  # this rank's vocab rows
+    local_labels = local_labels.masked_fill(~owned, 0)
+    acc = torch.promote_types(hidden.dtype, torch.float32)  # float64 in the float64 reference mode
+    lse = torch.empty(n, dtype=acc, device=hidden.device)
+    target = torch.zeros(n, dtype=acc, device=hidden.device)
+    grads = None
+    if want_grads:
+        grads = (torch.empty_like(hidden), torch.zeros(weight.shape, dtype=acc, device=weight.device))
+    for start in range(0, n, chunk_tokens):
+        end = min(start + chunk_tokens, n)
+        lse[start:end] = _chunk(hidden[start:end], weight, local_labels[start:end], owned[start:end],
+                                valid[start:end], target[start:end], group,
+                                None if grads is None else (grads[0][start:end], grads[1]))
+    if group is not None:
+        dist.all_reduce(target, group=group)  # the target logit is on the rank that owns it
+    return ((lse - target) * valid).sum(), grads
+
+
+def _take(holder: dict, key: str) -> torch.Tensor:
+    buffer = holder.pop(key, None)
+    if buffer is None:
+        raise RuntimeError("the fused linear cross entropy's backward runs once per forward (no retain_graph reuse)")
+    return buffer
+
+
+class _HiddenGradient(torch.autograd.Function):
+    """Identity on the precomputed loss value; backward: G_h scaled by the incoming gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_tokens, group, vocab_start, want_grads):
-        n, rows = hidden.shape[0], weight.shape[0]
-        local_labels = labels - vocab_start
-        valid = labels != IGNORE_INDEX
-        owned = (local_labels >= 0) & (local_labels < rows) & valid  # this rank's vocab rows
-        local_labels = local_labels.masked_fill(~owned, 0)
-        acc = torch.promote_types(hidden.dtype, torch.float32)  # float64 in the float64 reference mode
-        lse = torch.empty(n, dtype=acc, device=hidden.device)
-        target = torch.zeros(n, dtype=acc, device=hidden.device)
-        grads = None
-        if want_grads:
-            grads = (torch.empty_like(hidden), torch.zeros(weight.shape, dtype=acc, device=weight.device))
-        for start in range(0, n, chunk_tokens):
-            end = min(start + chunk_tokens, n)
-            lse[start:end] = _chunk(hidden[start:end], weight, local_labels[start:end], owned[start:end],
-                                    valid[start:end], target[start:end], group,
-                                    None if grads is None else (grads[0][start:end], grads[1]))
-        if group is not None:
-            dist.all_reduce(target, group=group)  # the target logit is on the rank that owns it
-        ctx.set_materialize_grads(False)
-        ctx.grads, ctx.weight_dtype = grads, weight.dtype
-        return ((lse - target) * valid).sum()
+    def forward(ctx, hidden, loss, holder):
+        ctx.holder = holder
+        return loss.clone()
 
     @staticmethod
     def backward(ctx, grad_loss):
-        if ctx.grads is None or grad_loss is None:
-            return (None,) * 7
-        grad_hidden, grad_weight = ctx.grads
-        ctx.grads = None  # the backward runs once: hand the buffers over and scale them in place
-        return grad_hidden.mul_(grad_loss), grad_weight.mul_(grad_loss).to(ctx.weight_dtype), *(None,) * 5
+        return _take(ctx.holder, "hidden").mul_(grad_loss), None, None
+
+
+class _WeightGradient(torch.autograd.Function):
+    """A zero that carries G_W: backward returns G_W scaled by the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, weight, holder):
+        ctx.holder = holder
+        return torch.zeros((), dtype=torch.promote_types(weight.dtype, torch.float32), device=weight.device)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        return _take(ctx.holder, "weight").mul_(grad_loss).to(ctx.holder["weight_dtype"]), None
 
 
 def _chunk(hidden, weight, local_labels, owned, valid, target, group, grads):

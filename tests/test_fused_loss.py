@@ -119,6 +119,20 @@ def test_evaluation_computes_no_gradients(monkeypatch):
     assert abs(got - _unfused(hidden, weight.detach(), labels)) <= 1e-6 * got
 
 
+def test_split_backward_inputs_then_weights():
+    """Zero-bubble pipeline schedules take the gradient of the stage inputs first and of the weights
+    later, from the same graph (torch.distributed.pipelining's stage_backward_input / _weight)."""
+    hidden, weight, labels = _inputs()
+    want = _loss_and_grads(_unfused, hidden, weight, labels)
+    hidden, weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = linear_cross_entropy_sum(hidden, weight, labels, 16)
+    (grad_hidden,) = torch.autograd.grad(loss, hidden, retain_graph=True)
+    (grad_weight,) = torch.autograd.grad(loss, weight, retain_graph=True)
+    assert _rel(grad_hidden, want[1]) <= 1e-5 and _rel(grad_weight, want[2]) <= 1e-5
+    with pytest.raises(RuntimeError, match="backward runs once"):
+        loss.backward()
+
+
 def test_refuses_a_chunk_size_below_one():
     hidden, weight, labels = _inputs()
     with pytest.raises(ValueError, match="chunk_tokens must be >= 1"):
