@@ -25,6 +25,13 @@ def require_bos(bos_id: int) -> None:
                          "document with it); use such a tokenizer or set both to false")
 
 
+def document_inputs(document_mask_cfg, bos_id: int, context_parallel=None) -> "DocumentInputs | None":
+    """``[document_mask]``'s model inputs for a run, or None when both settings are off."""
+    if not (document_mask_cfg.enable or document_mask_cfg.restart_positions):
+        return None
+    return DocumentInputs(bos_id, document_mask_cfg.enable, document_mask_cfg.restart_positions, context_parallel)
+
+
 class DocumentInputs:
     """Document ids and/or restarted RoPE positions of whole windows, for one run's layout.
 

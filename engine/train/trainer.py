@@ -17,7 +17,6 @@ import gc
 import logging
 import math
 import os
-import re
 import time
 
 import torch
@@ -25,11 +24,11 @@ import torch.distributed as dist
 
 from engine.observe.attribution import StepTimer, step_attribution
 from engine.checkpoint import CheckpointManager
-from engine.checkpoint import files as checkpoint_files
 from engine.config import JobConfig, config_to_toml
 from engine.config.fingerprint import run_fingerprint
 from engine.data import build_dataloader, build_validation_dataloader
 from engine.train.distributed import init_distributed, is_peer_failure
+from engine.train.documents import document_inputs
 from engine.train.loss import IGNORE_INDEX
 from engine.train.lr_scheduler import build_lr_scheduler
 from engine.observe.metrics import MetricsLogger
@@ -39,6 +38,7 @@ from engine.launch.preflight import check_setup
 from engine.observe.profiling import StepProfiler
 from engine.train.runner import PipelineRunner, SingleRunner, StepContext
 from engine.train.signals import StopRequest
+from engine.train.after_step import after_step_message
 from engine.train.capsule import capsule_path, write_capsule
 from engine.train.step_health import StepHealth, advance_lr_schedule
 from parallelisms.comm_counter import group_names_by_mesh_dim
@@ -155,22 +155,13 @@ class Trainer:
             self.model_parts, self.device, context_parallel=self.context_parallel,
             autocast_bf16=self.cfg.training.mixed_precision_param == "bfloat16" and not wrapped,
             loss_parallel=dims.tp_enabled and self.cfg.parallelism.loss_parallel,
-            documents=self._document_inputs(),
+            documents=document_inputs(self.cfg.document_mask, self.tokenizer.bos_id, self.context_parallel),
             loss_chunk_tokens=self.cfg.loss.chunk_tokens,
         )
         if self.pp_plan is None:
             return SingleRunner(self.model_parts, context,
                                 sync_each_microbatch=self.cfg.parallelism.grad_sync_each_microbatch)
         return PipelineRunner(self.pp_plan, self.model_parts, dims.mesh("pp"), context)
-
-    def _document_inputs(self):
-        """``[document_mask]``'s model inputs (engine/train/documents.py), or None when it is off."""
-        dm = self.cfg.document_mask
-        if not (dm.enable or dm.restart_positions):
-            return None
-        from engine.train.documents import DocumentInputs
-
-        return DocumentInputs(self.tokenizer.bos_id, dm.enable, dm.restart_positions, self.context_parallel)
 
     def _build_checkpointer(self) -> CheckpointManager:
         return CheckpointManager(
@@ -346,7 +337,9 @@ class Trainer:
                 except Exception as error:
                     if is_peer_failure(error):
                         raise
-                    raise AfterStepError(self._after_step_message(error)) from error
+                    raise AfterStepError(after_step_message(
+                        error, getattr(self, "_after_step_phase", "reporting"), self.step,
+                        self.checkpointer.folder if self.cfg.checkpoint.enable else None)) from error
                 self.stopped_by = self.stop_request.agreed()
                 if self.stopped_by and self.cfg.checkpoint.enable:  # every rank agrees: save together
                     self.checkpointer.save(self.step, wait=True)
@@ -378,27 +371,6 @@ class Trainer:
             val_loss = self.validate()
             self._after_step_phase = "metrics"
             self.metrics.log_validation(self.step, val_loss, math.exp(min(val_loss, 50.0)))
-
-    def _after_step_message(self, error: BaseException) -> str:
-        """One line for a failure after step ``self.step`` was trained: what failed, and what is safe."""
-        phase = getattr(self, "_after_step_phase", "reporting")
-        lines = str(error).strip().splitlines()
-        # DCP's CheckpointException opens with "ranks:..." and quotes each rank's traceback: name the
-        # innermost error instead (e.g. "PermissionError: [Errno 13] ... step-2.tmp").
-        causes = [line.strip() for line in lines if re.match(r"\s*\w+(Error|Exception): ", line)]
-        reason = (causes[-1] if causes and len(lines) > 1 else (lines or [""])[0])[:300] or "(no message)"
-        saved = checkpoint_files.scan(self.checkpointer.folder).latest if self.cfg.checkpoint.enable else None
-        if saved is None:
-            kept = "no checkpoint holds it (checkpoint.enable = false)" if not self.cfg.checkpoint.enable \
-                else "no checkpoint was complete yet"
-        else:
-            kept = f"checkpoint step-{saved} is complete; the same command resumes from it"
-        fix = {"validation": "set validation.enable = false to train on without it",
-               "profiler": "set profiling.enable = false",
-               "metrics": "check the run folder's disk space and permissions",
-               "checkpoint save": "check the checkpoint folder's disk space and permissions"}.get(phase, "")
-        return (f"{phase} after step {self.step} failed ({type(error).__name__}: {reason}); {kept}"
-                f"{'; ' + fix if fix else ''}; QUADRA_TRACEBACK=1 shows the traceback")
 
     def close(self, wait: bool = True) -> None:
         """Finish a checkpoint in flight (``wait``: skipped after a failure, since it may need other

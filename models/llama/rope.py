@@ -1,0 +1,77 @@
+"""Rotary position embedding (RoPE; Su et al. 2021, arXiv 2104.09864) with Llama 3.1's frequency
+scaling: the frequencies, the cos/sin tables and the rotation of queries and keys, as real tensors
+(no complex dtype: friendlier to DTensor and torch.compile). models/llama/model.py re-exports them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def rope_frequencies(
+    head_dim: int, theta: float, scaling: tuple[float, float, float, int] | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """RoPE inverse frequencies theta^(-2i / head_dim) for the head_dim/2 channel pairs (Su et al. 2021).
+
+    With ``scaling = (factor, low_freq_factor, high_freq_factor, original_max_seq_len)`` they are
+    scaled as in Llama 3.1 (Grattafiori et al. 2024; Meta's reference ``apply_scaling``): with
+    wavelength 2*pi/f, frequencies whose wavelength exceeds original_max_seq_len / low_freq_factor
+    are divided by ``factor``, those below original_max_seq_len / high_freq_factor are kept, and in
+    between s = (original_max_seq_len / wavelength - low) / (high - low) blends them:
+    f' = (1 - s) * f / factor + s * f.
+
+    Returns:
+        float64 [head_dim // 2] (radians per token) on ``device``.
+    """
+    pair = torch.arange(0, head_dim, 2, device=device, dtype=torch.float64)
+    inv_freq = 1.0 / (theta ** (pair / head_dim))
+    if scaling is None:
+        return inv_freq
+    factor, low, high, original = scaling
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, blended)
+    return torch.where(wavelen < original / high, inv_freq, scaled)
+
+
+def precompute_rope(
+    head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None,
+    scaling: tuple[float, float, float, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE tables as real cos/sin (no complex dtype: friendlier to DTensor and torch.compile).
+
+    angle[p, i] = p * f_i for position p < max_seq_len and pair i < head_dim/2, with the
+    frequencies f of :func:`rope_frequencies` (``scaling``: Llama 3.1's, or None).
+    Computed in float64 (positions up to 131072 lose ~1e-2 rad in float32), returned as float32
+    (float64 when that is torch's default dtype: the float64 reference mode).
+
+    Returns:
+        (cos, sin), each float32 [max_seq_len, head_dim // 2] on `device` (default device if None).
+    """
+    inv_freq = rope_frequencies(head_dim, theta, scaling, device=device)
+    positions = torch.arange(max_seq_len, device=device, dtype=torch.float64)
+    angles = torch.outer(positions, inv_freq)
+    dtype = torch.promote_types(torch.get_default_dtype(), torch.float32)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (2i, 2i+1) of `x` by the angles in cos/sin (Meta's interleaved layout).
+
+    Args:
+        x: [B, S, H, head_dim] queries or keys.
+        cos, sin: [S, head_dim // 2] float32 tables for the S positions of `x`, or [B, S, head_dim // 2]
+            when each sequence has its own positions (RoPE restarting at each packed document).
+    Returns:
+        [B, S, H, head_dim] in the dtype of `x` (the rotation itself runs in float32).
+    """
+    pairs = x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2))  # [B, S, H, head_dim/2, 2]
+    x0, x1 = pairs.unbind(-1)
+    cos = cos.unsqueeze(-2) if cos.dim() == 3 else cos[None, :, None, :]
+    sin = sin.unsqueeze(-2) if sin.dim() == 3 else sin[None, :, None, :]
+    rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
