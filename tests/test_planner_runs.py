@@ -30,7 +30,7 @@ REDUCTION_TOLERANCE = 0.05
 ACCUM2 = {"training.local_batch_size": 2}  # global 8 over dp 2: two accumulation microbatches
 S256 = {"training.seq_len": 256, "training.local_batch_size": 4, "training.global_batch_size": 4}
 PP2_GPIPE = {"parallelism.dp_shard": 1, "parallelism.pp": 2, "parallelism.pp_schedule": "gpipe", "training.seq_len": 64,
-             "parallelism.pp_microbatch_size": 2, "training.local_batch_size": 8}
+             "parallelism.pp_microbatch_size": 2, "training.local_batch_size": 16, "training.global_batch_size": 16}
 LAYOUTS = {
     # name: (world_size, overrides)
     "fsdp2_accum2": (2, {"parallelism.dp_shard": 2, **ACCUM2}),
@@ -51,12 +51,16 @@ LAYOUTS = {
                              "activation_checkpoint.selective_ac_option": "2"}),
     "single_ac_op_all_matmuls": (1, {"activation_checkpoint.mode": "selective",
                                      "activation_checkpoint.selective_ac_option": "op_all_matmuls"}),
-    # The first pipeline stage holds no loss: its peak is the saved blocks of four microbatches in
-    # flight (GPipe) and one block's backward, so the per-op formulas decide it (20 % off in either
-    # is 13 % of this peak); 128 tokens per microbatch keep the embedding's gradient below it.
+    # The first pipeline stage holds no loss: its peak is the saved blocks of eight microbatches in
+    # flight (GPipe) and one block's backward, so the per-op formulas decide it; 128 tokens per
+    # microbatch keep the embedding's gradient below it.
     "pp2_gpipe_op": (2, {**PP2_GPIPE, "activation_checkpoint.mode": "selective"}),
     "pp2_gpipe_op_all_matmuls": (2, {**PP2_GPIPE, "activation_checkpoint.mode": "selective",
                                      "activation_checkpoint.selective_ac_option": "op_all_matmuls"}),
+    # Full AC leaves the first stage's peak at the end of the first microbatch's backward: the
+    # embedding's weight gradient beside the second microbatch's saved block inputs.
+    "pp2_1f1b_full_ac": (2, {"parallelism.dp_shard": 1, "parallelism.pp": 2, "parallelism.pp_microbatch_size": 2,
+                             "training.local_batch_size": 4, "activation_checkpoint.mode": "full"}),
     "tp2_sp_full_ac": (2, {"parallelism.dp_shard": 1, "parallelism.tp": 2, "training.local_batch_size": 4,
                            "activation_checkpoint.mode": "full"}),
     "pp2_tp2_op": (4, {"parallelism.dp_shard": 1, "parallelism.pp": 2, "parallelism.tp": 2,

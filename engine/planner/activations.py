@@ -36,6 +36,10 @@ tests/test_planner_runs.py show alive at the peak (torch's MemTracker).
 
 Pipeline stages hold the activations of the microbatches in flight: M for GPipe (all forwards
 first), min(M, pp - pp_rank) for 1F1B-style schedules (Narayanan et al. arXiv 2104.04473 §2.2).
+The last stage also keeps each other in-flight microbatch's logits and log-probabilities (fp32 [T,
+V/t]) until its backward; the first stage peaks, where its saved blocks are few (full AC), at the end
+of an earlier microbatch's backward: the embedding's weight gradient beside the later microbatches'
+blocks (:func:`embedding_backward_bytes`).
 The family gives the feed-forward width f (``ModelSpec.ffn_width``; MoE: top_k routed + shared).
 """
 
