@@ -29,7 +29,7 @@ data.path data.text_column data.split data.streaming data.shuffle data.mixture
 validation.enable validation.path validation.freq validation.steps
 training.steps training.local_batch_size training.global_batch_size training.seq_len
 training.max_norm training.seed training.deterministic training.mixed_precision_param
-training.mixed_precision_reduce training.gc_freq
+training.mixed_precision_reduce training.gc_freq training.stop_after_step
 optimizer.name optimizer.lr optimizer.beta1 optimizer.beta2 optimizer.eps optimizer.weight_decay
 optimizer.implementation
 lr_scheduler.warmup_steps lr_scheduler.decay_type lr_scheduler.decay_ratio lr_scheduler.min_lr
