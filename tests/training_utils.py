@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import os
 
+from engine.parity import compare
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The 0.2 MB validation split is the training data of the tests: fast to tokenize, real text.
 SMALL_CORPUS = os.path.join(REPO, "assets", "data", "shakespeare", "validation.jsonl")
@@ -20,7 +22,7 @@ MOE_FLAVOR = "debugmodel_tiny"
 # loss of step 2 by 4e-4, over the 1e-4 parity tolerance; one that never clips moves step 5's.
 # conftest.py's `reference` checks that both sides are present with a 10 % margin.
 MAX_NORM = 0.65
-CLIP_MARGIN = 0.1
+CLIP_MARGIN = compare.CLIP_MARGIN
 # Adam's eps and the learning rate decide how much a wrong clipping factor moves the weights: with
 # eps near the gradients' RMS (~7e-4 here) the update follows the gradients' scale; with eps 1e-8
 # Adam would cancel any constant factor.
@@ -157,7 +159,7 @@ def assert_parity(got: list[tuple[float, float]], want: list[tuple[float, float]
     of the same step)."""
     assert len(got) == len(want) == PARITY_STEPS, (len(got), len(want))
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, want), start=1):
-        tol = 1e-5 if step == 1 else 1e-4
+        tol = compare.tolerance(step)  # engine/parity/compare.py, shared with ./scripts/parity.py
         assert math.isclose(loss, ref_loss, rel_tol=tol), f"step {step}: loss {loss} vs {ref_loss}"
         assert math.isclose(norm, ref_norm, rel_tol=tol), f"step {step}: grad_norm {norm} vs {ref_norm}"
     if not (isinstance(got, History) and isinstance(want, History)):
@@ -167,7 +169,7 @@ def assert_parity(got: list[tuple[float, float]], want: list[tuple[float, float]
         assert math.isclose(loss, ref_loss, rel_tol=1e-5), f"validation after step {step}: {loss} vs {ref_loss}"
     for step, (metrics, ref_metrics) in enumerate(zip(got.model_metrics, want.model_metrics), start=1):
         assert metrics.keys() == ref_metrics.keys(), (step, metrics, ref_metrics)
-        tol = 1e-5 if step == 1 else 1e-4
+        tol = compare.tolerance(step)
         for name, value in metrics.items():
             assert math.isclose(value, ref_metrics[name], rel_tol=tol, abs_tol=1e-9), \
                 f"step {step}: {name} {value} vs {ref_metrics[name]}"
@@ -176,9 +178,7 @@ def assert_parity(got: list[tuple[float, float]], want: list[tuple[float, float]
 def clipping_sides(history: list[tuple[float, float]], max_norm: float = MAX_NORM) -> tuple[int, int]:
     """(steps clipped, steps not clipped) of a history, counting only norms at least
     :data:`CLIP_MARGIN` away from ``max_norm`` (a step near it tells a wrong clip little)."""
-    above = sum(norm > max_norm * (1 + CLIP_MARGIN) for _, norm in history)
-    below = sum(norm < max_norm * (1 - CLIP_MARGIN) for _, norm in history)
-    return above, below
+    return compare.clipping_sides(history, max_norm)
 
 
 def run_in_turn(layouts: dict[str, dict], run_one) -> dict[str, object]:
