@@ -47,6 +47,13 @@ LAYOUTS = {
     "single_ac_none": (1, {}),
     "single_ac_full": (1, {"activation_checkpoint.mode": "full"}),
     "single_ac_op": (1, {"activation_checkpoint.mode": "selective"}),
+    # 1024 tokens under full AC: the recomputed block's backward, not the loss, is the peak
+    "single_s256_ac_full": (1, {**S256, "activation_checkpoint.mode": "full"}),
+    # The unfused loss (three fp32 [T, V] tensors at the loss), one process and on the last stage
+    # of a pipeline (its output-weight gradient, the other microbatch's logits)
+    "single_unfused_loss": (1, {"loss.chunk_tokens": 0}),
+    "pp2_1f1b_unfused_loss": (2, {"parallelism.dp_shard": 1, "parallelism.pp": 2, "parallelism.pp_microbatch_size": 2,
+                                  "training.local_batch_size": 4, "loss.chunk_tokens": 0}),
     "single_ac_every2": (1, {"activation_checkpoint.mode": "selective",
                              "activation_checkpoint.selective_ac_option": "2"}),
     "single_ac_op_all_matmuls": (1, {"activation_checkpoint.mode": "selective",
