@@ -30,9 +30,13 @@ The element-wise tensors (norms, RoPE, silu, product, GQA's repeated k, v) are r
 block's backward its recomputation brings back the rest of the no-AC set, as under full AC.
 On top of the saved tensors the peak holds the larger of the loss's backward (final norm tensors and
 three fp32 [T, V/t] tensors: log-softmax output, its gradient, the logits' gradient; four under loss
-parallel) and one block's backward (its gradient temporaries, and its recomputed activations under
-full AC). The constants of these last two terms are the tensors the CPU runs of
-tests/test_planner_runs.py show alive at the peak (torch's MemTracker).
+parallel; the fused loss: engine/planner/loss_memory.py) and one block's backward: its gradient
+temporaries without AC; where the block is recomputed (full AC, every N-th block, and the per-op
+policies, whose recomputation brings back what their cache does not hold) the recomputed tensors
+plus the feed-forward backward's gradients, T·(2f/t + h/t')·B (three f-wide gradients and the block
+output's, less the SwiGLU product checkpoint has already freed). The constants of these
+last two terms are the tensors the CPU runs of tests/test_planner_runs.py show alive at the peak
+(torch's MemTracker).
 
 Pipeline stages hold the activations of the microbatches in flight: M for GPipe (all forwards
 first), min(M, pp - pp_rank) for 1F1B-style schedules (Narayanan et al. arXiv 2104.04473 §2.2).
@@ -98,6 +102,22 @@ def backward_temporary_bytes(layout) -> int:
     return _tokens(layout) * (4 * f + 5 * a.n_heads * a.head_dim) // layout.tp * layout.param_bytes
 
 
+def recomputed_backward_bytes(layout) -> int:
+    """Bytes beyond the recomputed block's activations at its backward's peak, when the whole block
+    is recomputed (full AC, selective every N-th block) or its per-op policy's recomputation has
+    brought back what the cache does not hold: in the feed-forward's backward, the gradients
+    of w1·x, w3·x and silu(w1·x) (three [T, f/t]) and of the block's output ([T, h/t']), less the
+    SwiGLU product (f/t), which checkpoint frees once w2's backward has used it:
+    T·(2f/t + h/t')·B. The attention's temporaries come later, when the feed-forward's tensors are
+    gone. This is what torch's MemTracker shows alive at that peak in the CPU run of
+    tests/test_planner_runs.py (single_ac_full, single_s256_ac_full, single_s256_ac_op); without
+    recomputation the block's backward keeps :func:`backward_temporary_bytes`."""
+    a = layout.model_args
+    f = layout.model_spec.get("ffn_width")(a)
+    tsp = layout.tp if layout.sequence_parallel else 1
+    return _tokens(layout) * (2 * f // layout.tp + a.dim // tsp) * layout.param_bytes
+
+
 def head_peak_bytes(layout) -> int:
     """The last stage's peak at the loss: the final norm's input and (gathered) output, and
     cross entropy's fp32 [T, V/t] tensors alive in its backward: the log-softmax output, its gradient
@@ -149,7 +169,7 @@ def microbatches_in_flight(layout, pp_rank: int = 0) -> int:
 def activation_bytes(layout, pp_rank: int = 0) -> int:
     """Peak activation bytes of one rank (module docstring): the saved tensors of every block of the
     microbatches in flight, plus the larger of the loss's peak (last stage) and one block's backward
-    (its recomputation first, under full AC)."""
+    (its recomputation first, under AC)."""
     ac = ac_kind(layout)
     stages = layout.stages_of(pp_rank)
     n_layers = sum(len(layers) if layers is not None else layout.model_args.n_layers for layers, _, _ in stages)
@@ -158,10 +178,10 @@ def activation_bytes(layout, pp_rank: int = 0) -> int:
     in_flight = microbatches_in_flight(layout, pp_rank)
     backward = backward_temporary_bytes(layout)
     if ac in ("full", "every"):
-        backward += block_activation_bytes(layout, "none")
+        backward = block_activation_bytes(layout, "none") + recomputed_backward_bytes(layout)
     elif ac != "none":  # per-op: the recomputation brings back what the cache does not hold
-        backward += block_activation_bytes(layout, "none") - block_activation_bytes(layout, ac) \
-            + block_activation_bytes(layout, "full")
+        backward = block_activation_bytes(layout, "none") - block_activation_bytes(layout, ac) \
+            + block_activation_bytes(layout, "full") + recomputed_backward_bytes(layout)
     head = 0
     if has_last:
         # Each other microbatch in flight on the last stage (GPipe: all M) still holds its
