@@ -193,9 +193,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum a tensor over the loss-reduction mesh (dp × cp); identity on one process."""
-        if self.dist.is_distributed:
-            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.parallel_dims.mesh("dp_cp").get_group())
+        """Sum a tensor over the loss-reduction mesh (dp × cp); identity when that mesh has one rank."""
+        mesh = self.parallel_dims.mesh("dp_cp") if self.dist.is_distributed else None
+        if mesh is not None and mesh.size() > 1:  # (a one-rank group's all-reduce is a no-op collective)
+            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=mesh.get_group())
         return value
 
     def _measures_time(self) -> bool:
