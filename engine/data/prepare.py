@@ -185,11 +185,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _same_path(a: str, b: str) -> bool:
-    """Whether two input names are the same input: local paths compared as absolute paths (the
-    manifest keeps the path as given), hub dataset names as strings."""
-    norm = [os.path.abspath(os.path.expanduser(x)) if os.path.exists(os.path.expanduser(x)) else x for x in (a, b)]
-    return norm[0] == norm[1]
+def _input_name(path: str) -> str:
+    """The name an input is recorded and compared by: a local path as an absolute path (older
+    manifests kept it as given), a hub dataset name as it is."""
+    full = os.path.expanduser(path)
+    return os.path.abspath(full) if os.path.exists(full) else path
 
 
 def _tokenize(batch: dict, indices: list[int], *, tokenizer_path: str, text_column: str, eos: bool) -> dict:
@@ -214,7 +214,7 @@ def _existing(output: str, identity: dict, sources: list[dict], log) -> dict | N
     if is_prepared(output):
         manifest = read_manifest(output, "output")
         same = len(manifest["sources"]) == len(sources) and all(
-            {**m, "path": ""} == {**s, "path": ""} and _same_path(m["path"], s["path"])
+            {**m, "path": ""} == {**s, "path": ""} and _input_name(m["path"]) == _input_name(s["path"])
             for m, s in zip(manifest["sources"], sources))
         if manifest["tokenizer"]["sha256"] != identity["sha256"] or not same:
             raise PreparedDataError(
@@ -257,9 +257,7 @@ def prepare(source: str, output: str, tokenizer_path: str, *, text_column: str =
     tok = Tokenizer(tokenizer_path)
     tok._check_specials(True, True)  # packing wraps documents in BOS/EOS: refuse a tokenizer without them
     identity = tokenizer_identity(tok)
-    local = os.path.exists(os.path.expanduser(source))
-    sources = [{"path": os.path.abspath(os.path.expanduser(source)) if local else source, "split": split,
-                "text_column": text_column}]
+    sources = [{"path": _input_name(source), "split": split, "text_column": text_column}]
     output = os.path.abspath(os.path.expanduser(output))
     done = _existing(output, identity, sources, log)
     if done is not None:
