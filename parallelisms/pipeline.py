@@ -61,6 +61,15 @@ def build_stage_module(model: nn.Module, layer_ids: tuple[int, ...], is_first: b
     return stage
 
 
+_shape_inference_depth = 0
+
+
+def in_shape_inference() -> bool:
+    """True while a stage runs torch's shape-inference forward (not a training microbatch): module
+    hooks that observe training (engine/parity/record.py) skip it."""
+    return _shape_inference_depth > 0
+
+
 class _InferenceFreeStage(PipelineStage):
     """A ``PipelineStage`` whose shape-inference passes leave the module's buffers as they were.
 
@@ -75,7 +84,12 @@ class _InferenceFreeStage(PipelineStage):
     def _prepare_forward_infra(self, *args, **kwargs):
         if self._buffer_snapshot is None:
             self._buffer_snapshot = [(b, b.detach().clone()) for b in self.submod.buffers()]
-        return super()._prepare_forward_infra(*args, **kwargs)
+        global _shape_inference_depth
+        _shape_inference_depth += 1
+        try:
+            return super()._prepare_forward_infra(*args, **kwargs)
+        finally:
+            _shape_inference_depth -= 1
 
     def _post_metadata_inference_cleanup(self) -> None:
         super()._post_metadata_inference_cleanup()

@@ -53,6 +53,7 @@ compile.enable compile.backend
 loss.chunk_tokens
 profiling.enable profiling.start_step profiling.num_steps profiling.traces_folder profiling.memory_snapshot
 document_mask.enable document_mask.restart_positions
+record.step record.folder
 """.split()
 
 

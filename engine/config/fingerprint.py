@@ -68,6 +68,7 @@ _CLASSES: dict[str, dict[str, tuple[str, ...]]] = {
                     "time_attribution"),
         "activation_checkpoint": ("mode", "selective_ac_option"),
         "profiling": ("enable", "start_step", "num_steps", "traces_folder", "memory_snapshot"),
+        "record": ("step", "folder"),  # observes one step, changes none
     },
 }
 

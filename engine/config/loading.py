@@ -33,7 +33,7 @@ from engine.config.validation import config_warnings, range_problems
 from engine.config.schema import (  # the section dataclasses, re-exported for type hints
     ActivationCheckpointSection, CheckpointSection, CommSection, CompileSection, DataSection, DocumentMaskSection,
     JobSection, LossSection, LRSchedulerSection, MetricsSection, ModelSection, OptimizerSection,
-    ParallelismSection, ProfilingSection, StepHealthSection, TrainingSection, ValidationSection,
+    ParallelismSection, ProfilingSection, RecordSection, StepHealthSection, TrainingSection, ValidationSection,
 )
 
 __all__ = [
@@ -70,6 +70,7 @@ class JobConfig:
     loss: LossSection = field(default_factory=LossSection)
     profiling: ProfilingSection = field(default_factory=ProfilingSection)
     document_mask: DocumentMaskSection = field(default_factory=DocumentMaskSection)
+    record: RecordSection = field(default_factory=RecordSection)
 
     @property
     def run_folder(self) -> str:

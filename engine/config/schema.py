@@ -279,3 +279,14 @@ class DocumentMaskSection:
     restart_positions: bool = _opt(False, "RoPE positions restart at 0 at each document (Megatron-LM's "
                                           "--reset-position-ids); with enable it changes only rounding (RoPE "
                                           "scores depend on relative positions)")
+
+
+@dataclass
+class RecordSection:
+    """``[record]``: one step's activations and gradients on every rank, for ``./scripts/parity.py
+    --locate`` (engine/parity/record.py)."""
+
+    step: int = _opt(0, "> 0: during this optimizer step every rank records each named module's forward input and "
+                        "output and, after backward, each parameter's reduced gradient; 0: off")
+    folder: str = _opt("record", "where the records go (rank-<r>.pt), relative to the run folder")
+

@@ -68,6 +68,9 @@ def range_problems(cfg) -> list[str]:
                    "and reduces everything in float64) or neither; set both to \"float64\""))
     checks.append((fp64[0] and cfg.compile.enable, "compile.enable", True,
                    "is not verified in the float64 reference mode; set compile.enable = false"))
+    checks.append((cfg.record.step > 0 and cfg.compile.enable, "compile.enable", True,
+                   "cannot be recorded (record.step > 0): module hooks do not run inside compiled blocks; "
+                   "set compile.enable = false for the recorded run"))
     checks.append((p.pp > 1 and not p.grad_sync_each_microbatch, "parallelism.grad_sync_each_microbatch", False,
                    "has no effect with pp > 1 (the pipeline schedule reduces gradients once per step "
                    "itself); leave it true"))

@@ -43,6 +43,7 @@ from engine.train.capsule import capsule_path, write_capsule
 from engine.train.step_health import StepHealth, advance_lr_schedule
 from parallelisms.comm_counter import group_names_by_mesh_dim
 from parallelisms.grad_norm import clip_grad_norm_
+from engine.parity.record import StepRecorder
 
 logger = logging.getLogger("quadra")
 
@@ -99,6 +100,8 @@ class Trainer:
         self._val_loader = self._build_validation_loader() if cfg.validation.enable else None
         self.model_parts = self._build_model()
         self.runner = self._build_runner()
+        self.recorder = StepRecorder(cfg.record, self.run_folder, self.model_parts, self.parallel_dims,
+                                     self.context_parallel, self.dist.rank)
         self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.step = 0
@@ -211,11 +214,14 @@ class Trainer:
         timer = StepTimer(measure=self._measures_time(), device=self.device, distributed=self.dist.is_distributed,
                           group_dims=self._group_dims)
         with timer.phase("data"):
-            microbatches = [self.runner.context.shard(*self.dataloader.next_batch()) for _ in range(self.grad_accum_steps)]
+            batches = [self.dataloader.next_batch() for _ in range(self.grad_accum_steps)]
+            self.recorder.begin(self.step + 1, batches)  # [record] step only (engine/parity/record.py)
+            microbatches = [self.runner.context.shard(*batch) for batch in batches]
         local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches)
         global_tokens = self._dp_sum(torch.tensor(float(local_tokens), device=self.device))
         with timer.phase("forward_backward"):
             loss = self.runner.step(microbatches, global_tokens)
+        self.recorder.end()
         with timer.phase("optimizer"):
             params = [p for part in self.model_parts for p in part.parameters()]
             grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_group=self.runner.pp_group)
