@@ -5,6 +5,7 @@ steps on the same data, and compare loss, grad norm and final parameters.
     ./scripts/parity.py                                   # train_configs/debug_model.toml, --layouts auto
     ./scripts/parity.py --config my.toml --layouts "fsdp2,tp2,pp2:1F1B,cp2,tp2xpp2" --steps 5
     ./scripts/parity.py --layouts fsdp2xtp2 --json parity.json --training.seq_len 64
+    ./scripts/parity.py --config my.toml --precision fp64 --locate
     ./scripts/parity.py --replay outputs/my_run --step 1234 --layouts "tp2,fsdp4"
 
 Each run is the engine's own launcher (what ./run_train.sh runs) with the layout's degrees; its
@@ -58,6 +59,9 @@ def _args(argv):
                    "or before --step (with optimizer, schedule and data position), train to --step, compare; "
                    "its config.toml is the config and the max_norm is kept")
     p.add_argument("--step", type=int, default=0, help="with --replay: the step to reach")
+    p.add_argument("--locate", action="store_true", help="for each failing layout, find the first module "
+                   "whose output differs from one process's at the first failing step, and the first gradient "
+                   "(engine/parity/locate.py); every run records its first step, the reference keeps every step")
     p.add_argument("--json", default="", help="write the full report (every step of every run) here")
     p.add_argument("--out", default="", help="folder for the run folders (default: a temporary one, deleted)")
     return p.parse_known_args(argv)
@@ -152,11 +156,14 @@ def main(argv: list[str] | None = None) -> int:
         base = _config_argv(a, extra)
     if isinstance(base, str):
         return _refuse(base)
+    if a.locate:  # checked with the config: a compiled run cannot be recorded (engine/config/validation.py)
+        base += ["--record.step", str(start_step + 1)]
     if a.precision == "fp64":
         base += ["--training.mixed_precision_param", "float64", "--training.mixed_precision_reduce", "float64"]
     import torch
 
     from engine.config import ConfigError, load_config
+    from engine.parity.locate import format_findings
     from engine.parity.sweep import PRECISIONS, Sweep, format_table, original_row, progress_line
 
     try:
@@ -187,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({a.steps - start_step} steps per run)")
     start = time.perf_counter()
     sweep = Sweep(base, a.steps, precision, folder, engage_clipping=not a.keep_max_norm,
-                  say=lambda line: print(line, flush=True), replay=bool(a.replay))
+                  say=lambda line: print(line, flush=True), replay=bool(a.replay),
+                  locate_from=(start_step + 1) if a.locate else 0)
     try:
         clipping = sweep.run_reference(cfg.training.max_norm)
         print(f"reference (1 process): {sweep.reference.seconds:.0f} s; clipping "
@@ -203,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {progress_line(row)}", flush=True)
             if row["error"]:
                 print("    " + row["error"].replace("\n", "\n    "))
+            if "locate" in row:
+                print(format_findings(row["layout"], row["locate"], row["locate"].get("start", "")), flush=True)
     except RuntimeError as error:
         print(f"parity error: {error}", file=sys.stderr)
         return 1

@@ -1,6 +1,6 @@
 """./scripts/parity.py and engine/parity/: the layout grammar, the comparison, and a short sweep of the
-tests' tiny model through the real launcher, passing as it is and failing on a defect that lives in
-one layout only (tests/parity_defects/sitecustomize.py)."""
+tests' tiny model through the real launcher (a sweep failing on a defect that lives in one layout only,
+and the locator naming it, is in tests/test_parity_locate.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from engine.parity.layouts import LayoutError, auto_layouts, parse_layout, fit_b
 from tests.training_utils import MAX_NORM, REPO, base_args
 
 SCRIPT = os.path.join(REPO, "scripts", "parity.py")
-DEFECTS = os.path.join(REPO, "tests", "parity_defects")
 
 
 def test_layout_names_give_the_degrees():
@@ -116,16 +115,6 @@ def test_parity_sweep_passes_and_reports(tmp_path):
         assert row["passed"] and len(row["history"]) == 5, row
         assert row["loss"] < 1e-5 and row["grad_norm"] < 1e-5 and row["params"] < 1e-4, row
     assert "2/2 layouts pass" in proc.stdout
-
-
-@pytest.mark.slow  # runs through the launcher (see pyproject.toml)
-def test_parity_sweep_fails_a_defect_of_one_layout(tmp_path):
-    env = {"PYTHONPATH": os.pathsep.join([DEFECTS, REPO]), "QUADRA_TEST_DEFECT": "tp_scale:layers.0.attention.wo"}
-    proc, report = _sweep(tmp_path, "tp2", env)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    (row,) = report["layouts"]
-    assert not row["passed"] and row["first_failing_step"] == 1, row
-    assert "FAIL (step 1)" in proc.stdout
 
 
 @pytest.mark.slow  # runs through the launcher (see pyproject.toml)

@@ -47,6 +47,7 @@ def parity_overrides(folder: str, steps: int, replay: bool = False) -> dict:
         "metrics.time_attribution": "false",
         "validation.enable": "false",
         "checkpoint.enable": "true",
+        "checkpoint.folder": "checkpoint",  # inside the parity run's folder, whatever the config says
         "checkpoint.interval": steps,
         "checkpoint.keep_latest_k": 1,
         "checkpoint.async_mode": "disabled",

@@ -41,17 +41,28 @@ class Sweep:
     """
 
     def __init__(self, base_argv: list[str], steps: int, precision: str, folder: str, *,
-                 engage_clipping: bool = True, say=print, env: dict | None = None, replay: bool = False):
+                 engage_clipping: bool = True, say=print, env: dict | None = None, replay: bool = False,
+                 locate_from: int = 0):
         self.base_argv, self.steps, self.precision, self.folder = list(base_argv), steps, precision, folder
         self.engage_clipping, self.say, self.env, self.replay = engage_clipping, say, env, replay
         self.extra: dict = {}  # overrides the sweep adds to every run (training.max_norm)
+        # --locate: every run records its first step (``locate_from``, 1-based); the reference also
+        # keeps a checkpoint of every step, the start of a later failing step's re-runs.
+        self.locate_from = locate_from
+        if locate_from:
+            self.extra["record.step"] = locate_from
+        self._located_references: dict[int, str] = {}
         self.reference = None
         self.reference_weights = None
         self.clipping: dict = {}
 
-    def _run(self, layout: Layout, tag: str):
-        overrides = {**layout.overrides, **self.extra, **parity_overrides(os.path.join(self.folder, tag), self.steps, self.replay)}
+    def _run(self, layout: Layout, tag: str, more: dict | None = None):
+        overrides = {**layout.overrides, **self.extra,
+                     **parity_overrides(os.path.join(self.folder, tag), self.steps, self.replay), **(more or {})}
         return launch(self.base_argv, overrides, layout.world_size, os.path.join(self.folder, tag), env=self.env)
+
+    def _reference_more(self) -> dict:
+        return {"checkpoint.interval": 1, "checkpoint.keep_latest_k": 0} if self.locate_from else {}
 
     def run_reference(self, max_norm: float) -> dict:
         """Train the one-process reference (twice when clipping has to be engaged); returns the
@@ -61,7 +72,7 @@ class Sweep:
             RuntimeError: the reference run failed (its launcher's last lines).
         """
         reference = parse_layout(REFERENCE)
-        self.reference = self._run(reference, "reference")
+        self.reference = self._run(reference, "reference", self._reference_more())
         if self.reference.error:
             raise RuntimeError(f"the one-process reference failed: {self.reference.error}")
         clipped, unclipped = clipping_sides(self.reference.history, max_norm)
@@ -76,7 +87,7 @@ class Sweep:
                 self.extra["training.max_norm"] = suggested
                 max_norm = suggested
                 self.say(f"running the reference and every layout with --training.max_norm {suggested:g}")
-                self.reference = self._run(reference, "reference_clipped")
+                self.reference = self._run(reference, "reference_clipped", self._reference_more())
                 if self.reference.error:
                     raise RuntimeError(f"the one-process reference failed: {self.reference.error}")
                 clipped, unclipped = clipping_sides(self.reference.history, max_norm)
@@ -102,8 +113,39 @@ class Sweep:
             row.update(params=None, params_tensor=None, params_missing=[])
             params_ok = False
         row["passed"] = bool(diffs["passed"] and params_ok and not result.error)
+        if self.locate_from and not row["passed"] and not result.error:
+            row["locate"] = self.locate(layout, result.folder, diffs["first_failing_step"] or len(result.history))
         row["seconds_total"] = round(time.perf_counter() - start, 1)
         return row
+
+    def locate(self, layout: Layout, run_folder: str, failing: int) -> dict:
+        """The locator's findings (engine/parity/locate.py) for ``layout`` at its ``failing`` step
+        (1-based within the sweep's steps): the records of the runs themselves when it is the first
+        step, else re-runs of that step by the layout and by one process, both resuming the one
+        process's checkpoint of the step before (resume is exact, so they start from the same
+        weights, optimizer state and data position)."""
+        from engine.parity.locate import locate
+
+        step = self.locate_from + failing - 1
+        if failing == 1:
+            reference, layout_folder = os.path.join(self.reference.folder, "record"), os.path.join(run_folder, "record")
+            start = "both from initialization" if not self.replay else "both from the replayed checkpoint"
+        else:
+            resume = {"checkpoint.initial_load_path": os.path.join(self.reference.folder, "checkpoint", f"step-{step - 1}"),
+                      "checkpoint.initial_load_model_only": "false", "training.stop_after_step": step,
+                      "record.step": step}
+            start = f"both from one process's checkpoint step-{step - 1}"
+            if step not in self._located_references:
+                ref = self._run(parse_layout(REFERENCE), f"locate_reference_{step}", resume)
+                if ref.error:
+                    return {"step": step, "error": f"the one-process re-run of step {step} failed: {ref.error}"}
+                self._located_references[step] = os.path.join(ref.folder, "record")
+            reference = self._located_references[step]
+            rerun = self._run(layout, f"locate_{layout.name.replace(':', '_')}_{step}", resume)
+            if rerun.error:
+                return {"step": step, "error": f"the re-run of step {step} failed: {rerun.error}"}
+            layout_folder = os.path.join(rerun.folder, "record")
+        return {**locate(layout_folder, reference, self.precision), "start": start}
 
 
 def original_row(run_folder: str, sweep: Sweep, start_step: int) -> dict:
