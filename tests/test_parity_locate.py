@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.parity.assemble import AssemblyError, View, assemble, load_records
-from engine.parity.locate import compare_views, locate
+from engine.parity.locate import compare_views
 from parallelisms.context_parallel import cp_positions
 from tests.training_utils import REPO, base_args
 
