@@ -185,3 +185,37 @@ def test_locate_reruns_a_later_failing_step_from_the_same_weights(tmp_path):
     assert found["step"] == 2 and found["start"] == "both from one process's checkpoint step-1", found.get("start")
     assert found["culprit"] == "layers.4" and "its input agrees" in found["explanation"], found["explanation"]
     assert [row for row in found["modules"] if row["differs"]][0]["name"] == "layers.4"
+
+
+def _record_one_process(folder, overrides: dict) -> View:
+    from engine.config import load_config
+    from engine.train.trainer import Trainer
+
+    argv = ["--job.config_file", os.path.join(REPO, "train_configs", "debug_model.toml"),
+            *base_args(str(folder), {"training.steps": 2, "record.step": 2, "validation.enable": "false",
+                                     "checkpoint.enable": "false", **overrides})]
+    trainer = Trainer(load_config(argv))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    records = load_records(str(folder / "record"))
+    assert [r["step"] for r in records] == [2]
+    return records
+
+
+def test_recording_leaves_out_recomputation_and_keeps_the_microbatches(tmp_path):
+    """One process records step 2 only; with full activation checkpointing (each block's forward runs
+    again in backward) and two accumulation microbatches it records the same view as without."""
+    plain = _record_one_process(tmp_path / "plain", {})
+    recomputed = _record_one_process(tmp_path / "ac", {"activation_checkpoint.mode": "full",
+                                                       "training.local_batch_size": 4})
+    assert {len(m["out"]) for m in plain[0]["modules"].values()} == {1}
+    assert {len(m["out"]) for m in recomputed[0]["modules"].values()} == {2}  # two microbatches, no recompute
+    reference = assemble(plain)
+    view = assemble(recomputed, reference)
+    assert not view.skipped and not reference.skipped
+    assert reference.grad_order[0] == "output.weight"  # backward order: the last layer's gradient first
+    found = compare_views(view, reference, "float32")
+    assert found["culprit"] is None and found["first_grad"] is None, (found["first_module"], found["first_grad"])
+    assert len(found["modules"]) == len(reference.order) > 50 and len(found["grads"]) == len(reference.grads)

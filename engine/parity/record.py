@@ -23,7 +23,7 @@ What a rank writes to ``<run folder>/<record.folder>/rank-<r>.pt`` (``torch.save
   dp, cp and tp local ranks are 0 (one per pipeline rank); ``grad_order``: parameter names in the
   order backward produced their gradients (the first microbatch's), from that same rank.
 
-Names drop the wrappers' infixes (``_checkpoint_wrapped_module.``, ``_orig_mod.``), so they match
+Names drop the wrappers' components (``_checkpoint_wrapped_module``, ``_orig_mod``), so they match
 across layouts and activation-checkpoint modes.
 """
 
@@ -34,14 +34,13 @@ import os
 import torch
 import torch.nn as nn
 
-WRAPPER_INFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+WRAPPERS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
 
 
 def clean_name(name: str) -> str:
-    """A module or parameter name without wrapper infixes (see the module docstring)."""
-    for infix in WRAPPER_INFIXES:
-        name = name.replace(infix, "")
-    return name
+    """A module or parameter name without the wrappers' components (see the module docstring):
+    ``layers.0._checkpoint_wrapped_module.attention`` -> ``layers.0.attention``."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPERS)
 
 
 def _not_training_forward() -> bool:
