@@ -174,3 +174,16 @@ def test_bad_input_is_one_line(tmp_path):
         proc = subprocess.run([sys.executable, SCRIPT, *args], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and words in proc.stderr, (args, proc.stderr)
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_a_non_finite_logged_value_reads_as_nan_and_fails(tmp_path):
+    """metrics.jsonl writes a NaN grad norm (a skipped non-finite step) as null: replaying that step
+    must compare it, not crash."""
+    from engine.parity.runs import read_history
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 3, "loss": 6.5, "grad_norm": None})
+                                            + "\n" + json.dumps({"kind": "skipped_step", "step": 3}) + "\n")
+    (history,) = read_history(str(tmp_path))
+    assert history[0] == 6.5 and math.isnan(history[1])
+    diffs = history_differences([history], [(6.5, 0.54)])
+    assert diffs["grad_norm"] == math.inf and diffs["first_failing_step"] == 1

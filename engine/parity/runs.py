@@ -64,9 +64,15 @@ def to_argv(overrides: dict) -> list[str]:
     return argv
 
 
+def _number(value) -> float:
+    """A logged value as a float: metrics.jsonl writes a non-finite one as null (JSON has no NaN)."""
+    return float("nan") if value is None else float(value)
+
+
 def read_history(folder: str, first_step: int = 1) -> list[tuple[float, float]]:
     """[(loss, grad_norm)] of every step from ``first_step`` on in ``folder``/metrics.jsonl (rank 0
-    writes it), step order; a step logged twice (a resumed run) keeps its last record."""
+    writes it), step order; a step logged twice (a resumed run) keeps its last record; a non-finite
+    value (logged as null) reads as NaN."""
     path = os.path.join(folder, "metrics.jsonl")
     steps: dict[int, tuple[float, float]] = {}
     if os.path.exists(path):
@@ -74,7 +80,7 @@ def read_history(folder: str, first_step: int = 1) -> list[tuple[float, float]]:
             for line in f:
                 record = json.loads(line)
                 if record.get("kind") == "train" and int(record["step"]) >= first_step:
-                    steps[int(record["step"])] = (float(record["loss"]), float(record["grad_norm"]))
+                    steps[int(record["step"])] = (_number(record["loss"]), _number(record["grad_norm"]))
     return [steps[s] for s in sorted(steps)]
 
 
