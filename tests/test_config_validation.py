@@ -61,6 +61,9 @@ def _invalid(**overrides) -> str:
     (dict(training__steps="10"), ("training.steps", '"10"', "expected an int")),
     (dict(activation_checkpoint__selective_ac_option=2), ("selective_ac_option", "'2'")),
     (dict(loss__chunk_tokens=-1), ("loss.chunk_tokens = -1", ">= 0", "0: the unfused loss")),
+    (dict(record__step=-1), ("record.step = -1", ">= 0")),
+    (dict(record__step=2, record__folder=" "), ('record.folder = " "', "must name a folder")),
+    (dict(record__step=2, compile__enable=True), ("compile.enable = true", "record.step", "compile.enable = false")),
 ])
 def test_validate_rejects(overrides, fragments):
     message = _invalid(**overrides)
@@ -89,3 +92,11 @@ def test_validate_accepts_edge_values():
 def test_validate_reports_all_problems_at_once():
     message = _invalid(training__steps=0, optimizer__lr=-1.0, metrics__log_freq=0)
     assert "training.steps" in message and "optimizer.lr" in message and "metrics.log_freq" in message
+
+
+def test_a_record_step_after_the_last_step_is_warned_about():
+    from engine.config import load_config
+
+    assert any("record.step = 9" in w and "nothing will be recorded" in w
+               for w in load_config(["--training.steps", "5", "--record.step", "9"]).warnings())
+    assert not any("record.step" in w for w in load_config(["--training.steps", "5", "--record.step", "5"]).warnings())

@@ -59,6 +59,9 @@ def range_problems(cfg) -> list[str]:
         (not ac_ok, "activation_checkpoint.selective_ac_option", ac.selective_ac_option,
          'must be "op" (TorchTitan\'s per-op policy), "op_all_matmuls" (keep every matmul output) '
          'or a positive integer N (checkpoint every N-th block), e.g. "2"'),
+        (cfg.record.step < 0, "record.step", cfg.record.step, "must be >= 0 (0: off; K: record optimizer step K)"),
+        (cfg.record.step > 0 and not cfg.record.folder.strip(), "record.folder", cfg.record.folder,
+         'must name a folder, e.g. "record"'),
         (cfg.loss.chunk_tokens < 0, "loss.chunk_tokens", cfg.loss.chunk_tokens,
          "must be >= 0 tokens (0: the unfused loss over full logits; e.g. 256)"),
     ]
@@ -114,6 +117,9 @@ def config_warnings(cfg) -> list[str]:
     if prof.enable and prof.start_step > t.steps > 0:
         warnings.append(f"profiling.start_step = {prof.start_step} is after the last step (training.steps = "
                         f"{t.steps}): nothing will be traced")
+    if cfg.record.step > t.steps > 0:
+        warnings.append(f"record.step = {cfg.record.step} is after the last step (training.steps = {t.steps}): "
+                        "nothing will be recorded")
     return warnings
 
 
