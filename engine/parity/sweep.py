@@ -11,6 +11,7 @@ layout with it (``engage_clipping=False`` keeps the config's and only reports).
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 from engine.parity.compare import (TOLERANCES, clipping_sides, engaging_max_norm, history_differences,
@@ -115,6 +116,8 @@ class Sweep:
         row["passed"] = bool(diffs["passed"] and params_ok and not result.error)
         if self.locate_from and not row["passed"] and not result.error:
             row["locate"] = self.locate(layout, result.folder, diffs["first_failing_step"] or len(result.history))
+        if self.locate_from:  # a step's records are large (every module's input and output): keep none
+            shutil.rmtree(os.path.join(result.folder, "record"), ignore_errors=True)
         row["seconds_total"] = round(time.perf_counter() - start, 1)
         return row
 
@@ -145,7 +148,10 @@ class Sweep:
             if rerun.error:
                 return {"step": step, "error": f"the re-run of step {step} failed: {rerun.error}"}
             layout_folder = os.path.join(rerun.folder, "record")
-        return {**locate(layout_folder, reference, self.precision), "start": start}
+        found = {**locate(layout_folder, reference, self.precision), "start": start}
+        if failing != 1:
+            shutil.rmtree(layout_folder, ignore_errors=True)
+        return found
 
 
 def original_row(run_folder: str, sweep: Sweep, start_step: int) -> dict:
