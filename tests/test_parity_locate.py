@@ -154,14 +154,20 @@ def _locate_sweep(tmp_path, layouts: str, defects: str, steps: int, extra=()):
 
 @pytest.mark.slow  # runs through the launcher (see pyproject.toml)
 def test_locate_names_the_module_of_a_defect_in_one_layout(tmp_path):
-    """The MoE test model, one step, three layouts, each with a defect only it has: a row-parallel
+    """The MoE test model, one step, four layouts, each with a defect only it has: a row-parallel
     layer without its reduction (tp2), a RoPE offset on one cp rank (cp2), one expert's output dropped
-    (ep2). Each must fail and the locator must name the module the defect is in."""
-    proc, rows = _locate_sweep(tmp_path, "tp2,cp2,ep2", "tp_unreduced:layers.0.attention.wo,"
-                               "cp_rope_offset:layers.1.attention,ep_drop:layers.2.feed_forward.experts", 1,
-                               ["--model.name", "moe"])
+    (ep2), one parameter's gradient reduced wrongly (fsdp2). Each must fail; the locator must name the
+    module the forward defects are in, and for the backward one find every output equal and name the
+    parameter as the first differing gradient."""
+    proc, rows = _locate_sweep(tmp_path, "tp2,cp2,ep2,fsdp2", "tp_unreduced:layers.0.attention.wo,"
+                               "cp_rope_offset:layers.1.attention,ep_drop:layers.2.feed_forward.experts,"
+                               "dp_grad_scale:layers.1.attention.wq.weight", 1, ["--model.name", "moe"])
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "FAIL (step 1)" in proc.stdout and "0/3 layouts pass" in proc.stdout
+    assert "FAIL (step 1)" in proc.stdout and "0/4 layouts pass" in proc.stdout
+    found = rows["fsdp2"]["locate"]
+    assert found["culprit"] is None and not any(row["differs"] for row in found["modules"]), found["first_module"]
+    assert found["first_grad"]["name"] == "layers.1.attention.wq.weight", found["first_grad"]
+    assert "no module output differs" in proc.stdout
     for layout, module in (("tp2", "layers.0.attention.wo"), ("cp2", "layers.1.attention"),
                            ("ep2", "layers.2.feed_forward.experts")):
         found = rows[layout]["locate"]

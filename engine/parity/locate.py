@@ -124,9 +124,15 @@ def format_findings(layout_name: str, found: dict, start: str) -> str:
                      f"{first['max_abs']:.2e}  rel {first['rel']:.2e}; {found['explanation']}")
         lines.append(f"  => {found['culprit']}")
     grad = found["first_grad"]
-    lines.append("  no gradient differs" if grad is None else
-                 f"  first differing gradient (backward order): {grad['name']}  max abs {grad['max_abs']:.2e}  "
-                 f"rel {grad['rel']:.2e}")
+    if grad is None:
+        lines.append("  no gradient differs")
+    else:
+        why = ("(downstream of the differing forward)" if first is not None else
+               "; the forward agrees: the difference arises in the backward or the gradient reduction")
+        lines.append(f"  first differing gradient (backward order): {grad['name']}  max abs {grad['max_abs']:.2e}  "
+                     f"rel {grad['rel']:.2e} {why}".replace(" ;", ";"))
+        if first is None:
+            lines.append(f"  => {grad['name']} (gradient)")
     differ = sum(row["differs"] for row in found["modules"])
     lines.append(f"  {len(found['modules'])} module outputs compared ({differ} differ), "
                  f"{sum(row['differs'] for row in found['grads'])}/{len(found['grads'])} gradients differ, "

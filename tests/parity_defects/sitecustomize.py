@@ -14,7 +14,9 @@ named module after the model is parallelized, from training step ``step`` on (de
   tables shifted by one position;
 - ``pp_scale:<module>``: under pipeline parallel, the module (on whichever stage holds it) × 1.01;
 - ``ep_drop:<module>``: under expert parallel, on ep rank 1, the output rows of its first local
-  expert are zeroed before they are sent back (that expert's output is dropped).
+  expert are zeroed before they are sent back (that expert's output is dropped);
+- ``dp_grad_scale:<parameter>``: under data parallel without ep, on dp rank 1, the parameter's
+  local gradient is doubled after backward (a wrong gradient reduction: the forward is untouched).
 
 Without the variable, or outside torchrun's ranks (no ``RANK``), nothing is imported or changed.
 """
@@ -87,6 +89,22 @@ def _hooks(kind, dims, from_step):
     return None
 
 
+def _scale_gradient(trainer, target: str, from_step: int) -> None:
+    """Double ``target``'s local gradient after each step's backward (before clipping and recording)."""
+    step = trainer.runner.step
+
+    def scaled(microbatches, global_tokens):
+        loss = step(microbatches, global_tokens)
+        if _STEP[0] >= from_step:
+            for part in trainer.model_parts:
+                for name, param in part.named_parameters():
+                    if name.replace("_checkpoint_wrapped_module.", "") == target and param.grad is not None:
+                        _local(param.grad).mul_(2.0)
+        return loss
+
+    trainer.runner.step = scaled
+
+
 def _install() -> None:
     import engine.train.model_builder as builder
 
@@ -112,6 +130,12 @@ def _install() -> None:
 
     def counting_train_step(self):
         _STEP[0] = self.step + 1
+        if not getattr(self, "_defects_wrapped", False):
+            self._defects_wrapped = True
+            dims = self.parallel_dims
+            for kind, target, from_step in _parse():
+                if kind == "dp_grad_scale" and dims.dp > 1 and dims.ep == 1 and dims.mesh("dp").get_local_rank() == 1:
+                    _scale_gradient(self, target, from_step)
         return train_step(self)
 
     trainer.Trainer.train_step = counting_train_step
