@@ -54,16 +54,31 @@ def _resume(argv: list[str]) -> tuple[int, list]:
         trainer.close()
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """[(loss, grad_norm)] of the whole run of each setting, trained once per setting: the cases
+    without overrides share one run."""
+    runs: dict[str, list] = {}
+
+    def get(overrides: dict) -> list:
+        key = repr(sorted(overrides.items()))
+        if key not in runs:
+            folder = str(tmp_path_factory.mktemp("whole"))
+            (runs[key],) = run_distributed(train_and_record, 1, base_args(folder, {**SETTINGS, **overrides}),
+                                           torchrun_env=False)
+        return runs[key]
+
+    return get
+
+
 @pytest.mark.parametrize("phase, fail_at, overrides, newest", [
     ("validation", 4, {}, 4),                                   # mid-run, sync checkpoint of that step
     ("metrics", 4, {}, 4),                                      # the metrics record of step 4
     ("validation", 6, {"checkpoint.async_mode": "async"}, 6),   # the last step, its save in flight
     ("checkpoint save", 4, {}, 2),                              # the save itself (a full disk): step 2 is kept
 ])
-def test_failure_after_a_step_keeps_it_and_resumes(phase, fail_at, overrides, newest, tmp_path):
+def test_failure_after_a_step_keeps_it_and_resumes(phase, fail_at, overrides, newest, uninterrupted, tmp_path):
     settings = {**SETTINGS, **overrides}
-    (uninterrupted,) = run_distributed(train_and_record, 1, base_args(str(tmp_path / "whole"), settings),
-                                       torchrun_env=False)
     argv = base_args(str(tmp_path / "run"), settings)
     error_dir = tmp_path / "errors"
     error_dir.mkdir()
@@ -78,4 +93,4 @@ def test_failure_after_a_step_keeps_it_and_resumes(phase, fail_at, overrides, ne
     (resumed,) = run_distributed(_resume, 1, argv, torchrun_env=False)
     resumed_at, history = resumed
     assert resumed_at == newest
-    assert history == uninterrupted[newest:]  # bitwise: the step that failed to report was not lost
+    assert history == uninterrupted(overrides)[newest:]  # bitwise: the step that failed to report was not lost

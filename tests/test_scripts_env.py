@@ -12,7 +12,12 @@ from tests.training_utils import REPO
 
 
 def _plan(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "PYTHONPATH")}
+    # PYTHON: this interpreter (which has the dependencies) is the one scripts/bootstrap.sh hands back,
+    # as for ./run_train.sh. Without it bootstrap.sh falls back to the repo's .venv and, on a clone
+    # that has none yet, builds one with pip in the middle of the test (98 s; CI builds .venv before
+    # the tests and sets QUADRA_FRESH_ENV=1, so there .venv is used either way).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHON"] = sys.executable
     # -S: no site-packages, so torch is not importable and the script must re-run itself.
     return subprocess.run([sys.executable, "-S", os.path.join(REPO, "scripts", "plan.py"), *args], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=120)

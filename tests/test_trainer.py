@@ -8,7 +8,7 @@ import math
 import pytest
 
 from tests.dist_utils import run_distributed
-from tests.training_utils import SMALL_CORPUS, base_args, train_and_record
+from tests.training_utils import SMALL_CORPUS, base_args, run_in_turn, train_and_record
 
 pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)
 
@@ -96,17 +96,40 @@ def _validation_loss(argv):
         trainer.close()
 
 
-@pytest.mark.parametrize("world_size, model, overrides", [
-    (2, {}, {"parallelism.tp": 2, "parallelism.dp_shard": 1}),
-    (2, {}, {"parallelism.cp": 2, "parallelism.dp_shard": 1}),
-    (2, {}, {"parallelism.dp_shard": 2, "training.local_batch_size": 4}),
-    (2, {"model.name": "moe"}, {"parallelism.dp_shard": 2, "parallelism.ep": 2, "training.local_batch_size": 4}),
-], ids=["tp2", "cp2", "fsdp2", "moe_ep2"])
-def test_validation_under_a_layout_equals_one_process(world_size, model, overrides, tmp_path):
+def _validation_losses(folder: str, runs: dict[str, dict]) -> dict[str, float | str]:
+    """{name: validation loss after one step} of each run in turn, in the same ranks."""
+    return run_in_turn(runs, lambda name, overrides: _validation_loss(base_args(f"{folder}/{name}", overrides)))
+
+
+VALIDATION = {"validation.enable": "true", "validation.path": SMALL_CORPUS, "validation.steps": 2}
+VALIDATION_LAYOUTS = {
+    # name: (model, overrides); 2 ranks each
+    "tp2": ({}, {"parallelism.tp": 2, "parallelism.dp_shard": 1}),
+    "cp2": ({}, {"parallelism.cp": 2, "parallelism.dp_shard": 1}),
+    "fsdp2": ({}, {"parallelism.dp_shard": 2, "training.local_batch_size": 4}),
+    "moe_ep2": ({"model.name": "moe"}, {"parallelism.dp_shard": 2, "parallelism.ep": 2, "training.local_batch_size": 4}),
+}
+
+
+@pytest.fixture(scope="module")
+def validation_losses(tmp_path_factory):
+    """(one process's loss per model, every rank's {layout: loss}): one run per model on one process,
+    the layouts in turn in one set of 2 forked ranks."""
+    folder = str(tmp_path_factory.mktemp("validation"))
+    models = {"llama": VALIDATION, "moe": {**VALIDATION, "model.name": "moe"}}
+    (single,) = run_distributed(_validation_losses, 1, f"{folder}/one", models, torchrun_env=False)
+    layouts = {name: {**VALIDATION, **model, **overrides} for name, (model, overrides) in VALIDATION_LAYOUTS.items()}
+    return single, run_distributed(_validation_losses, 2, f"{folder}/many", layouts, timeout=300)
+
+
+@pytest.mark.parametrize("layout", list(VALIDATION_LAYOUTS))
+def test_validation_under_a_layout_equals_one_process(layout, validation_losses):
     """Validation shards the split over dp and the sequence over cp, sums the loss over tp's
     vocabulary shards, and routes tokens to experts on other ranks under ep: the mean token loss
     must be the one process's."""
-    val = {"validation.enable": "true", "validation.path": SMALL_CORPUS, "validation.steps": 2, **model}
-    (single,) = run_distributed(_validation_loss, 1, base_args(str(tmp_path / "one"), val), torchrun_env=False)
-    for loss in run_distributed(_validation_loss, world_size, base_args(str(tmp_path / "many"), {**val, **overrides})):
-        assert loss == pytest.approx(single, rel=1e-5)
+    single, ranks = validation_losses
+    want = single[VALIDATION_LAYOUTS[layout][0].get("model.name", "llama")]
+    assert not isinstance(want, str), want
+    for rank, losses in enumerate(ranks):
+        assert not isinstance(losses[layout], str), f"rank {rank}:\n{losses[layout]}"
+        assert losses[layout] == pytest.approx(want, rel=1e-5), (rank, losses[layout], want)
