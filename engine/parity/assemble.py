@@ -107,10 +107,9 @@ def _join_tp(calls: list[dict], features, batch: int, seq: int, grouped: bool) -
     else:
         joined = tensors
     if grouped:
-        shaped = [t for t in joined]
-        if tuple(shaped[0].shape[1:]) == tuple(features):
-            return _expert_sums(shaped[0], calls[0]["counts"])
-        return f"grouped rows of features {tuple(shaped[0].shape[1:])}, one process {tuple(features)}"
+        if tuple(joined[0].shape[1:]) == tuple(features):
+            return _expert_sums(joined[0], calls[0]["counts"])
+        return f"grouped rows of features {tuple(joined[0].shape[1:])}, one process {tuple(features)}"
     shaped = [_to_tokens(t, batch) for t in joined]
     if any(t is None for t in shaped):
         return f"shape {tuple(joined[0].shape)} is not [batch {batch}, seq, ...] nor its flattened tokens"
@@ -198,10 +197,10 @@ def _assemble_module(name, side, by_group, seq, reference):
             features = tuple(ref_t.shape[1:]) if is_grouped else tuple(ref_t.shape[2:])
         elif reference is None:  # the one-process run: its own shapes are the features
             t0 = entries[0][0]["t"]
-            features = tuple(t0.shape[1:]) if is_grouped else tuple(_to_tokens(t0, batch).shape[2:]) \
-                if _to_tokens(t0, batch) is not None else None
-            if features is None:
+            tokens = None if is_grouped else _to_tokens(t0, batch)
+            if not is_grouped and tokens is None:
                 return f"shape {tuple(t0.shape)} is not [batch {batch}, seq, ...] nor its flattened tokens"
+            features = tuple(t0.shape[1:]) if is_grouped else tuple(tokens.shape[2:])
         else:
             return "the one-process run has no such tensor to compare"
         joined = []

@@ -59,6 +59,14 @@ def history_differences(got: list[tuple[float, float]], want: list[tuple[float, 
     return out
 
 
+def tensor_difference(a, b) -> tuple[float, float]:
+    """(max |a - b|, max |a - b| / max |b|) of two tensors of one shape (relative: 0 when both are
+    zero, inf when only ``a`` is not)."""
+    diff = float((a - b).abs().max()) if b.numel() else 0.0
+    scale = float(b.abs().max()) if b.numel() else 0.0
+    return diff, (diff / scale if scale else (0.0 if diff == 0 else math.inf))
+
+
 def parameter_differences(got: dict, want: dict) -> tuple[float, str | None, list[str]]:
     """(worst ``max|a - b| / max|b|`` over the tensors, its name, names present on one side only).
 
@@ -72,9 +80,7 @@ def parameter_differences(got: dict, want: dict) -> tuple[float, str | None, lis
         if a.shape != b.shape:
             missing.append(f"{name} (shape {tuple(a.shape)} vs {tuple(b.shape)})")
             continue
-        scale = float(b.abs().max()) if b.numel() else 0.0
-        diff = float((a - b).abs().max()) if b.numel() else 0.0
-        rel = diff / scale if scale else (0.0 if diff == 0 else math.inf)
+        _, rel = tensor_difference(a, b)
         if rel > worst or worst_name is None:
             worst, worst_name = max(rel, worst), name
     return worst, worst_name, missing

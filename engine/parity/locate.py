@@ -15,14 +15,7 @@ embedding or the attention kernel between ``wv`` and ``wo`` is wrong).
 from __future__ import annotations
 
 from engine.parity.assemble import AssemblyError, View, assemble, load_records
-from engine.parity.compare import tolerance
-
-
-def difference(a, b) -> tuple[float, float]:
-    """(max |a - b|, max |a - b| / max |b|) of two float64 tensors of one shape."""
-    diff = float((a - b).abs().max()) if b.numel() else 0.0
-    scale = float(b.abs().max()) if b.numel() else 0.0
-    return diff, (diff / scale if scale else (0.0 if diff == 0 else float("inf")))
+from engine.parity.compare import tensor_difference, tolerance
 
 
 def _rows(got: dict, want: dict, names: list[str], tol: float, label: str) -> tuple[list[dict], list[str]]:
@@ -36,7 +29,7 @@ def _rows(got: dict, want: dict, names: list[str], tol: float, label: str) -> tu
         if a.shape != b.shape:
             skipped.append(f"{name}{label}: shape {tuple(a.shape)}, one process {tuple(b.shape)}")
             continue
-        max_abs, rel = difference(a, b)
+        max_abs, rel = tensor_difference(a, b)
         rows.append({"name": name, "max_abs": max_abs, "rel": rel, "differs": rel > tol})
     return rows, skipped
 

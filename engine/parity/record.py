@@ -34,6 +34,8 @@ import os
 import torch
 import torch.nn as nn
 
+from parallelisms.pipeline import in_shape_inference
+
 WRAPPERS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
 
 
@@ -46,8 +48,6 @@ def clean_name(name: str) -> str:
 def _not_training_forward() -> bool:
     """True for a forward that trains nothing: activation-checkpoint recomputation (autograd's engine
     is running) or a pipeline stage's shape inference (parallelisms/pipeline.py)."""
-    from parallelisms.pipeline import in_shape_inference
-
     return torch._C._current_graph_task_id() != -1 or in_shape_inference()
 
 

@@ -91,6 +91,8 @@ def _hooks(kind, dims, from_step):
 
 def _scale_gradient(trainer, target: str, from_step: int) -> None:
     """Double ``target``'s local gradient after each step's backward (before clipping and recording)."""
+    from engine.parity.record import clean_name
+
     step = trainer.runner.step
 
     def scaled(microbatches, global_tokens):
@@ -98,7 +100,7 @@ def _scale_gradient(trainer, target: str, from_step: int) -> None:
         if _STEP[0] >= from_step:
             for part in trainer.model_parts:
                 for name, param in part.named_parameters():
-                    if name.replace("_checkpoint_wrapped_module.", "") == target and param.grad is not None:
+                    if clean_name(name) == target and param.grad is not None:
                         _local(param.grad).mul_(2.0)
         return loss
 
@@ -110,6 +112,8 @@ def _install() -> None:
 
     build = builder.build_model_parts
 
+    from engine.parity.record import clean_name
+
     def build_with_defects(cfg, spec, args, *, parallel_dims=None, **kwargs):
         parts, nparams, flops = build(cfg, spec, args, parallel_dims=parallel_dims, **kwargs)
         for kind, target, from_step in _parse():
@@ -119,7 +123,7 @@ def _install() -> None:
             method, fn, options = hook
             for part in parts:
                 for name, module in part.named_modules():
-                    if name.replace("_checkpoint_wrapped_module.", "") == target:
+                    if clean_name(name) == target:
                         getattr(module, method)(fn, **options)
         return parts, nparams, flops
 
