@@ -16,12 +16,14 @@ from tests.training_utils import REPO
 
 def test_setup_rules_import_no_torch():
     """The rules of every parallelism, the registry, the flavors and the data-path check run without
-    torch, datasets or the model code, which is what makes a refusal take a fraction of a second."""
+    torch, datasets or the model code, which is what makes a refusal take a fraction of a second. (One
+    config's path; tests/test_architecture.py reads every branch of the pre-flight statically.)"""
     code = (
         "import sys\n"
         "from engine.config import load_config\n"
         "from engine.launch.preflight import check_setup\n"
-        "cfg = load_config(['--parallelism.pp', '2', '--parallelism.cp', '2', '--parallelism.tp', '2'])\n"
+        "cfg = load_config(['--parallelism.pp', '2', '--parallelism.cp', '2', '--parallelism.tp', '2',\n"
+        "                   '--document_mask.enable', 'true', '--document_mask.restart_positions', 'true'])\n"
         "cfg.validate()\n"
         "plan = check_setup(cfg, 16, 'cpu')\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'datasets', 'numpy'))\n"

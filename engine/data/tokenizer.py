@@ -18,6 +18,24 @@ _FIX = ("set --model.tokenizer_path to a SentencePiece .model file or a Hugging 
         "with scripts/train_tokenizer.py")
 
 
+def require_bos(bos_id: int) -> None:
+    """Refuse ``[document_mask]`` for a tokenizer without a BOS token.
+
+    Packing begins every document with BOS (engine/data/packing.py), so document boundaries are
+    found at BOS tokens (models/document_mask.py); without one there is nothing to mask at. Torch-
+    free: the launcher's pre-flight calls it before any rank starts.
+
+    Args:
+        bos_id: the tokenizer's BOS id, -1 when it defines none.
+
+    Raises:
+        ValueError: ``bos_id`` < 0, in one line naming the settings and the fix.
+    """
+    if bos_id < 0:
+        raise ValueError("document_mask.enable / restart_positions need a tokenizer with a BOS token (packing begins each "
+                         "document with it); use such a tokenizer or set both to false")
+
+
 class Tokenizer:
     """Text <-> token ids (units: tokens) through a SentencePiece model or a Hugging Face tokenizer.json.
 

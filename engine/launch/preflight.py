@@ -5,7 +5,8 @@ before it hands over to torchrun; every rank calls the same function again at st
 started by plain ``torchrun`` or by a test fails the same way). Each rule lives in the component that
 owns it (``ParallelDims``, the model's ``validate_parallelism_fn``, context and pipeline planning,
 the data loader's batch arithmetic, the tokenizer); this module only calls them in order, cheapest
-first. Nothing here or in those rules imports torch (tests/test_preflight.py checks it), so one bad
+first. Nothing here or in those rules imports torch, whichever feature the config turns on
+(tests/test_architecture.py reads every import the pre-flight can run), so one bad
 setting gives one line in a fraction of a second.
 """
 
@@ -119,7 +120,7 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
     tokenizer, vocab = model.tokenizer, model.tokenizer.vocab_size
     spec, args, base_args, label = model.spec, model.args, model.base_args, model.label
     if cfg.document_mask.enable or cfg.document_mask.restart_positions:
-        from engine.train.documents import require_bos
+        from engine.data.tokenizer import require_bos
 
         require_bos(tokenizer.bos_id)
     if spec.validate_parallelism_fn is not None:  # heads % tp, experts % ep, ...

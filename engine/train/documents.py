@@ -14,15 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.data.tokenizer import require_bos
 from models.document_mask import document_ids, document_positions
-
-
-def require_bos(bos_id: int) -> None:
-    """Raises ValueError (one line) when the tokenizer has no BOS token (``bos_id`` < 0): packing
-    begins documents with it, so without it there are no boundaries to mask at."""
-    if bos_id < 0:
-        raise ValueError("document_mask.enable / restart_positions need a tokenizer with a BOS token (packing begins each "
-                         "document with it); use such a tokenizer or set both to false")
 
 
 def document_inputs(document_mask_cfg, bos_id: int, context_parallel=None) -> "DocumentInputs | None":
