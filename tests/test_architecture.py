@@ -233,10 +233,11 @@ def test_torch_blocker_catches_a_torch_import():
     assert result.returncode == 1 and "engine.train.trainer: ImportError: torch is blocked" in result.stdout, result
 
 
-# The pre-flight's imports, read statically: every import in engine/launch/preflight.py (each of its
-# functions runs before the ranks start, whichever feature the config turns on), then what each
-# imported module runs at import time, and the body of each imported function, transitively.
-PREFLIGHT_ENTRY = "engine.launch.preflight"
+# The pre-flight's imports, read statically: every import in the modules the launcher runs before the
+# ranks start (each of their functions runs there, whichever feature the config turns on: the config's
+# loading and validate(), then check_setup), then what each imported module runs at import time, and
+# the body of each imported function, transitively.
+PREFLIGHT_ENTRIES = ("engine.config.loading", "engine.config.validation", "engine.launch.preflight")
 HEAVY = ("torch", "numpy", "datasets", "transformers", "safetensors", "tensorboard")
 
 
@@ -289,7 +290,7 @@ def _targets(node: ast.stmt, module: str):
     return out
 
 
-def preflight_heavy_imports(entry: str = PREFLIGHT_ENTRY) -> list[str]:
+def preflight_heavy_imports(entry: str) -> list[str]:
     """``"path:line imports X (via ...)"`` for every import of a :data:`HEAVY` package the pre-flight can
     run: all imports of ``entry`` (functions included), the import-time imports of every repo module
     reached (parent packages too), and the bodies of the functions imported by name."""
@@ -325,7 +326,7 @@ def test_the_preflight_imports_no_torch_whatever_the_config_turns_on():
     """Static, so every branch counts: a check behind a feature flag (``[document_mask]``, prepared
     data, ``initial_load_path``, pipeline plans) cannot hide a torch import from a config that
     leaves it off (the runtime check in tests/test_preflight.py sees one config's path only)."""
-    found = preflight_heavy_imports()
+    found = [line for entry in PREFLIGHT_ENTRIES for line in preflight_heavy_imports(entry)]
     assert not found, "the pre-flight must import no torch (README: 'the checks import no torch'):\n" + "\n".join(found)
 
 
