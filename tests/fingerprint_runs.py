@@ -236,9 +236,11 @@ def _frozen(d: dict | None) -> tuple:
     return tuple(sorted((k, _text(v)) for k, v in (d or {}).items()))
 
 
-def reference_run(spec: Spec, precision: str, world_size: int = 1) -> Run:
-    """The run ``spec``'s key is compared with: the default setting plus the context, in ``precision``."""
-    return run_of({**(spec.context or {}), **(FP64 if precision == "float64" else {})}, world_size, spec.inject)
+def reference_run(spec: Spec, precision: str) -> Run:
+    """The run ``spec``'s key is compared with, whatever its class: the default setting plus the
+    context, in ``precision``, on one process (a layout's default value on 2 processes would need
+    another batch split)."""
+    return run_of({**(spec.context or {}), **(FP64 if precision == "float64" else {})}, 1, spec.inject)
 
 
 def changed_run(spec: Spec, precision: str) -> Run:
