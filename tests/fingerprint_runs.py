@@ -117,10 +117,11 @@ def files_folder(root: str) -> str:
 
 def train_one(root: str, run: Run) -> dict:
     """Train ``run`` in its folder under ``root``: {"history": [(step, loss, grad_norm)], "error": the
-    exception's one-line text or None}; saves this rank's parameters as params-rank<r>.pt."""
+    first line of the TrainingDivergedError that stopped it, or None}; saves this rank's parameters
+    as params-rank<r>.pt (a run that stopped saves none)."""
     import torch
 
-    from engine.train.trainer import Trainer
+    from engine.train.trainer import Trainer, TrainingDivergedError
     from tests.step_health_utils import inject
 
     folder = os.path.join(root, run.name)
@@ -133,14 +134,15 @@ def train_one(root: str, run: Run) -> dict:
     trainer = Trainer(run_config(root, run))
     if run.inject:
         inject(trainer, dict(run.inject))
-    error = None
+    error, finished = None, False
     try:
         trainer.train(steps=max(0, STEPS - trainer.step))
-    except Exception as exc:  # noqa: BLE001 - a run that stops (a non-finite step) is a result
-        error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        finished = True
+    except TrainingDivergedError as exc:  # step_health stops the run: a result (any other error fails the test)
+        error = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
     finally:
-        trainer.close(wait=error is None)
-    if error is None:
+        trainer.close(wait=finished)  # a checkpoint in flight may need ranks that failed
+    if finished:
         torch.save(_params(trainer), os.path.join(folder, f"params-rank{trainer.dist.rank}.pt"))
     return {"history": [(r["step"], r["loss"], r["grad_norm"]) for r in trainer.history], "error": error}
 

@@ -34,7 +34,7 @@ import pytest
 from engine.config.fingerprint import CONVERGENCE, EXECUTION, KEY_CLASS, NUMERICS
 from tests.fingerprint_runs import (FILES_FOLDER, RUN_FOLDER, SOURCE_FOLDER, Lab, Spec, changed_run, files_folder,
                                     group_runs, reference_run)
-from tests.training_utils import LR, SMALL_CORPUS
+from tests.training_utils import LR, REPO, SMALL_CORPUS
 
 pytestmark = pytest.mark.usefixtures("private_datasets_cache")
 
@@ -235,7 +235,7 @@ def _write_files(folder: str) -> None:
     with open(os.path.join(folder, "two_layers.json"), "w") as f:
         json.dump(model_record("llama", args), f)
     train_tokenizer_main(["--data_path", SMALL_CORPUS, "--vocab_size", "512", "--output", folder, "--format", "hf"])
-    tokenizer = "assets/tokenizer/shakespeare.model"
+    tokenizer = os.path.join(REPO, "assets", "tokenizer", "shakespeare.model")
     prepare(os.path.join(folder, "other.jsonl"), os.path.join(folder, "set_a"), tokenizer, log=lambda _: None)
     prepare(SMALL_CORPUS, os.path.join(folder, "set_b"), tokenizer, log=lambda _: None)
 
