@@ -112,8 +112,7 @@ SPECS: dict[str, Spec] = {
     "training.local_batch_size": Spec({"training.local_batch_size": 4}),  # 2 microbatches per step
     "training.gc_freq": Spec({"training.gc_freq": 1}),
     "training.stop_after_step": Spec({"training.stop_after_step": 2}, family="stop"),
-    "comm.backend": Spec({"comm.backend": "gloo"}),
-    "comm.init_timeout_seconds": Spec({"comm.init_timeout_seconds": 30}),
+    "comm.init_timeout_seconds": Spec({"comm.init_timeout_seconds": 30}),  # one process: no collective
     "step_health.max_consecutive_skips": Spec({"step_health.max_consecutive_skips": 1}),
     "checkpoint.enable": Spec(CKPT),
     "checkpoint.folder": Spec({**CKPT, "checkpoint.folder": "elsewhere"}),
@@ -186,6 +185,7 @@ UNEXERCISED = {
                                 "tests have no network"),
     "training.deterministic": (NUMERICS, "chooses deterministic CUDA kernels: the CPU kernels are deterministic "
                                          "already, so a CPU run is bitwise the default one"),
+    "comm.backend": (EXECUTION, "auto is gloo on the CPU already; nccl needs CUDA"),
     "parallelism.async_tp": (EXECUTION, "needs CUDA and compile (refused without them)"),
     "profiling.memory_snapshot": (EXECUTION, "CUDA allocator snapshots: on the CPU it warns and records nothing"),
     "compile.enable": (NUMERICS, "inductor's C++ build of the blocks costs ~30 s on 2 cores; "
