@@ -13,7 +13,9 @@ Every key of the job config is in one of three classes:
 
 The run's fingerprint hashes the convergence keys and their values, so that two configs with the
 same fingerprint train the same model (up to numerics). tests/test_fingerprint.py fails when a key
-of the schema is not classified here: a new key forces the decision.
+of the schema is not classified here: a new key forces the decision; tests/test_fingerprint_behaviour.py
+checks each key's class by what another value does to a short run (a new key needs a check there, or
+a stated reason why no CPU run can exercise it).
 
 Pure Python (no torch), so the launcher and ``python -m engine.config diff`` use it in a second.
 """
