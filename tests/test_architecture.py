@@ -36,13 +36,13 @@ EXCEPTIONS: dict[str, str] = {}
 TORCH_FREE = (
     "engine.config", "engine.config.loading", "engine.config.schema", "engine.config.toml_format",
     "engine.config.validation", "engine.config.fingerprint", "engine.config.__main__",
-    "engine.launch", "engine.launch.launcher", "engine.launch.preflight", "engine.launch.dry_run",
+    "engine.launch", "engine.launch.launcher", "engine.setup.preflight", "engine.launch.dry_run",
     "engine.planner", "engine.planner.activations", "engine.planner.comm", "engine.planner.estimate",
-    "engine.planner.hardware", "engine.planner.layout", "engine.planner.memory", "engine.planner.params",
+    "engine.observe.hardware", "engine.planner.layout", "engine.planner.memory", "engine.planner.params",
     "engine.planner.real_plan", "engine.planner.reduction", "engine.planner.report", "engine.planner.schedule",
     "engine.planner.search",
     "engine.data.batch_sizes", "engine.data.tokenizer", "engine.data.prepared", "engine.data.sources",
-    "engine.checkpoint.files", "engine.checkpoint.hf_adapter",
+    "engine.checkpoint.files", "engine.convert.hf_adapter",
     "models", "models.registry", "models.planning", "models.hf",
     "parallelisms.checks", "parallelisms.parallel_dims", "parallelisms.pipeline_plan",
 )
@@ -237,7 +237,7 @@ def test_torch_blocker_catches_a_torch_import():
 # ranks start (each of their functions runs there, whichever feature the config turns on: the config's
 # loading and validate(), then check_setup), then what each imported module runs at import time, and
 # the body of each imported function, transitively.
-PREFLIGHT_ENTRIES = ("engine.config.loading", "engine.config.validation", "engine.launch.preflight")
+PREFLIGHT_ENTRIES = ("engine.config.loading", "engine.config.validation", "engine.setup.preflight")
 HEAVY = ("torch", "numpy", "datasets", "transformers", "safetensors", "tensorboard")
 
 

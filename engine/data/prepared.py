@@ -18,7 +18,7 @@ record afterwards, so a corrupted shard is refused by name and a launch on a ver
 ``os.stat`` per file; numpy checks each shard's header. ``scripts/prepare_data.py --verify FOLDER``
 hashes everything again, whatever the record says.
 
-Standard library only: the launcher's pre-flight (engine/launch/preflight.py) imports this module, and it
+Standard library only: the launcher's pre-flight (engine/setup/preflight.py) imports this module, and it
 must not import torch or numpy.
 """
 

@@ -4,9 +4,9 @@ Steps: meta model (no memory) → this rank's pipeline stages → the family's p
 run's settings (TP, EP, CP, AC, compile, FSDP/HSDP/DDP; models/<family>/parallelize.py) →
 ``to_empty`` on the real device → ``init_weights`` with a layout-independent seed, so every layout
 starts from the same weights. The trainer, the dry run's real plan (engine/planner/real_plan.py, on
-the meta device, nothing allocated) and the seed-checkpoint tool (engine/checkpoint/tools.py, one
+the meta device, nothing allocated) and the seed-checkpoint tool (engine/convert/tools.py, one
 process, no parallelism) all call :func:`build_model_parts`; what they build from (model arguments,
-pipeline plan, batch geometry) is resolved once per process by engine/launch/preflight.py ``check_setup``.
+pipeline plan, batch geometry) is resolved once per process by engine/setup/preflight.py ``check_setup``.
 """
 
 from __future__ import annotations
