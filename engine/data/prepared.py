@@ -149,25 +149,6 @@ def open_checked(folder: str, setting: str = "data.path", identity: dict | None 
     return manifest
 
 
-def verify_checksums(folder: str, setting: str = "folder", *, use_cache: bool = False) -> int:
-    """Compare every file with the digest its manifest records (engine/data/checksums.py).
-
-    Args:
-        use_cache: trust files recorded as verified in their current version (what a run does);
-            False hashes the whole set (``prepare_data.py --verify``).
-
-    Returns:
-        how many files were hashed.
-
-    Raises:
-        PreparedDataError: as ``open_checked``, or naming the first file that does not match.
-    """
-    from engine.data.checksums import verify_files
-
-    manifest = open_checked(folder, setting)
-    return verify_files(folder, manifest, f"{setting}={folder!r}", use_cache=use_cache)
-
-
 def content_id(manifest: dict) -> str:
     """A short id of a prepared set's content (its files' checksums), stored in the loader state so
     that a resume on other data is told apart (v1 sets keep the id they had)."""
