@@ -59,14 +59,15 @@ def _collectives_per_block(sequence_parallel: bool) -> dict:
 
     from models import get_model_args
     from models.llama.model import Transformer
-    from models.llama.parallelize import apply_tp_llama
+    from models.llama.parallelize import llama_tp_plan
+    from parallelisms.tensor_parallel import apply_tp_plan
 
     args = dataclasses.replace(get_model_args("llama", "debugmodel"), n_layers=1, max_seq_len=16)
     torch.manual_seed(0)
     model = Transformer(args)
     model.init_weights(seed=0)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    apply_tp_llama(model, mesh, sequence_parallel=sequence_parallel, loss_parallel=True)
+    apply_tp_plan(model, mesh, llama_tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=True))
     # The block's input as the residual stream holds it: a sequence shard with SP, else all of it.
     x = torch.randn(2, 8 if sequence_parallel else 16, args.dim, requires_grad=True)
 
