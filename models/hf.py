@@ -3,7 +3,7 @@ weight rules, and the pieces of ``config.json`` every LLaMA-style decoder shares
 
 A family's ``ModelSpec.hf_adapter`` names an :class:`HFAdapter`: the ``model_type`` values it reads,
 ``config.json`` -> model arguments and back, and its :class:`Rule` list (Quadra weight name <-> the
-Hugging Face weight(s) it is made of, with both conversions). engine/checkpoint/hf.py does the file
+Hugging Face weight(s) it is made of, with both conversions). engine/convert/hf.py does the file
 work for every family through it. Adapters raise :class:`HFConfigError` (a ValueError) naming the
 field; the engine turns it into a one-line refusal.
 
@@ -45,7 +45,7 @@ class Rule:
 
 @dataclass(frozen=True)
 class HFAdapter:
-    """What a family gives engine/checkpoint/hf.py.
+    """What a family gives engine/convert/hf.py.
 
     Attributes:
         model_types: the ``config.json`` ``model_type`` values it reads (e.g. ("llama",)).

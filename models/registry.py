@@ -69,9 +69,10 @@ class ModelSpec:
         model_cls: `nn.Module` class constructed as `model_cls(model_args)`, or its
             "module:attribute" name (imported by :func:`load_ref` when first built).
         flavors: flavor name (`model.flavor`) -> ModelArgs instance.
-        parallelize_fn: the model's plan, or its "module:attribute" name:
-            `fn(model, parallel_dims, *, parallelism_cfg, training_cfg, ac_cfg, compile_cfg, backend)`
-            applies TP/EP/CP/AC/compile/FSDP in place (e.g. `models.llama.parallelize.parallelize_llama`).
+        parallelize_plan: the family's `parallelisms.parallelize.ParallelizePlan`, or its
+            "module:attribute" name (e.g. `models.llama.parallelize:LLAMA_PLAN`): its tensor-parallel
+            plan and, with routed experts, its `ExpertPlan`, as data; the shared driver
+            (parallelisms/parallelize.py) applies TP/EP/CP/AC/compile/FSDP with it, in place.
             Pipeline stages are cut by the engine (parallelisms/pipeline.py) from the `layers` dict.
         validate_parallelism_fn: `fn(model_args, parallelism_cfg, *, seq_len, device_type,
             compile_enabled)` raising ValueError when `[parallelism]` cannot shard this model (e.g.
@@ -94,7 +95,7 @@ class ModelSpec:
     name: str
     model_cls: Any
     flavors: dict[str, Any]
-    parallelize_fn: Any
+    parallelize_plan: Any
     validate_parallelism_fn: Callable | None = None
     hf_adapter: Any = None
     param_shapes: Any = None

@@ -1,7 +1,7 @@
 """Start-up rules of tensor, context and expert parallel: numbers in, one clear error out.
 
 They need only the config and the model's sizes, never a tensor, and this module imports nothing
-from torch, so the launcher's pre-flight (engine/launch/preflight.py) checks a layout before any rank
+from torch, so the launcher's pre-flight (engine/setup/preflight.py) checks a layout before any rank
 starts, in the time it takes to read the config. The parallelisms themselves live in
 tensor_parallel.py, context_parallel.py and expert_parallel.py, which re-export these names; the
 pipeline's rules are in pipeline_plan.py and the degrees' in parallel_dims.py.

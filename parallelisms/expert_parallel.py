@@ -20,6 +20,8 @@ even when it sends or receives nothing.
 This file is model-agnostic: :class:`ExpertParallel` is a ``ParallelStyle`` for any module whose
 forward is ``(x [N, dim] grouped by expert, counts [E]) -> [N, dim]`` and whose parameters are
 stacked per expert on dim 0. The regroup index is a pure function (:func:`regroup_by_local_expert`).
+:func:`shard_experts` is the experts' own FSDP over the ranks left after ep, which the shared driver
+(parallelisms/parallelize.py) runs in its FSDP step.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from parallelisms.checks import ExpertParallelError, validate_expert_parallel  # start-up rules, torch-free
+from parallelisms.data_parallel import mixed_precision_policy, reshard_setting, shard_module
 
-__all__ = ["ExpertParallel", "ExpertParallelError", "regroup_by_local_expert", "validate_expert_parallel"]
+__all__ = ["ExpertParallel", "ExpertParallelError", "regroup_by_local_expert", "shard_experts", "validate_expert_parallel"]
 
 
 def regroup_by_local_expert(counts: torch.Tensor) -> torch.Tensor:
@@ -116,3 +119,40 @@ class ExpertParallel(ParallelStyle):
         self._state = None
         source_order = out.new_empty(out.shape).index_copy(0, index, out)
         return wait_tensor(all_to_all_single_autograd(source_order, input_splits, output_splits, mesh.get_group()))
+
+
+def shard_experts(experts: list[nn.Module], parallel_dims, *, param_dtype: str, reduce_dtype: str,
+                  reshard_after_forward: str, backend: str) -> None:
+    """FSDP (HSDP with dp_replicate) of expert-parallel ``experts`` modules over the ranks left after ep.
+
+    An expert's weights live on one ep rank of each group, so they are sharded, and their gradients
+    summed, only over the ranks holding the same experts: the ``dp_shard_mod_ep`` mesh (with
+    ``dp_replicate``: ``ep_hsdp``). Gradients come out exact, not ep times too large: the all-to-all
+    backward brings each expert the gradient of every token routed to it, and FSDP *sums* over the
+    other groups (parallelisms/data_parallel.py). Run just before the blocks are sharded, so their
+    FSDP units skip these weights.
+
+    Args:
+        experts: the ``experts`` module of each MoE layer, already ``ExpertParallel`` (weights
+            ``Shard(0)`` on the ep mesh, stacked per expert on dim 0).
+        parallel_dims: the ``ParallelDims`` with its mesh built.
+        param_dtype, reduce_dtype: ``training.mixed_precision_param`` / ``_reduce``.
+        reshard_after_forward: ``parallelism.fsdp_reshard_after_forward`` (see
+            ``parallelisms.data_parallel.reshard_setting``).
+        backend: process-group backend ("gloo", "nccl").
+    """
+    mesh = parallel_dims.mesh("ep_hsdp" if parallel_dims.dp_replicate_enabled else "dp_shard_mod_ep")
+    shard_size = parallel_dims.mesh("dp_shard_mod_ep").size()
+    policy = mixed_precision_policy(param_dtype, reduce_dtype)
+    # As for the blocks ("default": free after forward, but keep them across microbatches under PP).
+    reshard = reshard_setting(reshard_after_forward, parallel_dims.pp_enabled) != "never"
+    for module in experts:
+        local_experts = module.w1.to_local().shape[0]
+
+        def placement(param, _local=local_experts):
+            # Fewer local experts than shards: shard inside each expert (dim 1) so no rank is empty.
+            if _local % shard_size != 0 and param.shape[1] % shard_size == 0:
+                return Shard(1)
+            return Shard(0)
+
+        shard_module(module, mesh, policy, reshard=reshard, backend=backend, shard_placement_fn=placement)

@@ -66,7 +66,7 @@ _shape_inference_depth = 0
 
 def in_shape_inference() -> bool:
     """True while a stage runs torch's shape-inference forward (not a training microbatch): module
-    hooks that observe training (engine/parity/record.py) skip it."""
+    hooks that observe training (engine/observe/record.py) skip it."""
     return _shape_inference_depth > 0
 
 

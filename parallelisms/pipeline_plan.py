@@ -1,7 +1,7 @@
 """Pipeline planning: which layers each stage holds, which stages each rank runs, and the checks.
 
 Pure arithmetic over the config and the layer count, with no torch import, so the launcher's
-pre-flight (engine/launch/preflight.py) and the ranks run the same rules. parallelisms/pipeline.py builds
+pre-flight (engine/setup/preflight.py) and the ranks run the same rules. parallelisms/pipeline.py builds
 the stages and the torch schedule from a :class:`PipelinePlan`. Schedules and their bubbles: GPipe
 (Huang et al. arXiv 1811.06965), 1F1B (Narayanan et al. arXiv 2006.09503), interleaved (arXiv
 2104.04473), zero bubble (arXiv 2401.10241).

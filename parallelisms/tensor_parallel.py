@@ -12,9 +12,10 @@ each all-reduce becomes an all-gather (before the column-parallel layer) plus a 
 sub-blocks. Loss parallel computes the cross entropy on vocab-sharded logits, so the full
 [tokens, vocab] logits never exist on one rank.
 
-This file is model-agnostic: which module gets which style is the model's plan
-(``models/<name>/parallelize.py``). The helpers here apply a plan over the ``tp`` sub-mesh, give the
-loss-parallel context, enable async TP, and check the settings at start-up.
+This file is model-agnostic: which module gets which style is the family's plan, data built by
+``models/<name>/parallelize.py`` (:data:`TensorParallelPlan`), which the shared driver
+(parallelisms/parallelize.py) hands to :func:`apply_tp_plan`. The helpers here apply a plan over the
+``tp`` sub-mesh, give the loss-parallel context, enable async TP, and check the settings at start-up.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ __all__ = [
     "TensorParallelError",
     "VocabParallelEmbedding",
     "apply_tensor_parallel",
+    "apply_tp_plan",
     "enable_async_tp",
     "loss_parallel_context",
     "to_local",
@@ -48,7 +50,7 @@ __all__ = [
 
 
 def apply_tensor_parallel(
-    module: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle]
+    module: nn.Module, tp_mesh: DeviceMesh, plan: ParallelStyle | dict[str, ParallelStyle]
 ) -> nn.Module:
     """Shard ``module`` in place over the 1-D ``tp_mesh`` following ``plan``.
 
@@ -58,7 +60,8 @@ def apply_tensor_parallel(
     Args:
         module: a model or one of its sub-modules (parameters may be on the meta device).
         tp_mesh: the ``tp`` sub-mesh (1-D).
-        plan: fully-qualified sub-module name (relative to ``module``) -> parallel style.
+        plan: a parallel style for ``module`` itself, or fully-qualified sub-module name (relative to
+            ``module``) -> parallel style.
 
     Raises:
         ValueError: ``tp_mesh`` is not 1-D.
@@ -66,6 +69,42 @@ def apply_tensor_parallel(
     if tp_mesh.ndim != 1:
         raise ValueError(f"tensor parallel needs a 1-D tp mesh, got {tp_mesh.ndim} dims {tp_mesh.mesh_dim_names}")
     return parallelize_module(module, tp_mesh, plan)
+
+
+# A family's tensor-parallel plan, as data: (module, style or {sub-module name: style}) pairs,
+# applied in order (models/<family>/parallelize.py build it from the model they are given).
+TensorParallelPlan = list[tuple[nn.Module, ParallelStyle | dict[str, ParallelStyle]]]
+
+
+def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan) -> None:
+    """Apply a family's tensor-parallel ``plan`` to ``model`` (a whole model or a pipeline stage).
+
+    Each pair goes through :func:`apply_tensor_parallel` in order. Parameters the model shares
+    between modules (tied embeddings: ``output.weight is tok_embeddings.weight``) stay shared:
+    ``parallelize_module`` distributes each module's weight separately, so afterwards every other
+    name of a shared parameter is pointed at the DTensor of its first name (in
+    ``named_parameters`` order); the plan must give both the same placement (e.g. both sharded on
+    the vocab dim).
+
+    Raises:
+        ValueError: ``tp_mesh`` is not 1-D.
+    """
+    shared = _shared_parameter_names(model)
+    for module, style in plan:
+        apply_tensor_parallel(module, tp_mesh, style)
+    for first, *others in shared:
+        param = model.get_parameter(first)
+        for name in others:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, param)
+
+
+def _shared_parameter_names(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter that ``model`` holds under more than one name."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
 
 
 class VocabParallelEmbedding(ParallelStyle):

@@ -17,7 +17,7 @@
     python scripts/convert_checkpoint.py to-hf outputs/llama32/checkpoint/step-1000 hf_out [--dtype bfloat16]
 
 Runs in one process without a process group (no torchrun). Exit status 2 with a one-line message on
-bad input. The work is done by engine/checkpoint/tools.py and engine/checkpoint/hf.py.
+bad input. The work is done by engine/convert/tools.py and engine/convert/hf.py.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from scripts.project_env import use_project_python  # noqa: E402
 
 use_project_python()  # the system Python of a fresh machine lacks torch: re-run under .venv's
 
-DTYPE_NAMES = ("bfloat16", "float16", "float32")  # engine/checkpoint/tools.py DTYPES, without importing torch
+DTYPE_NAMES = ("bfloat16", "float16", "float32")  # engine/convert/tools.py DTYPES, without importing torch
 # The path each command reads: checked before torch is imported (seconds), so a typo fails at once.
 SOURCES = {"to-torch": "checkpoint_dir", "from-torch": "input", "from-hf": "hf_dir", "to-hf": "checkpoint_dir"}
 
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.exists(source):
         print(f"error: {SOURCES[args.command]} {source}: no such file or folder", file=sys.stderr)
         return 2
-    from engine.checkpoint.tools import export_model_weights, import_model_weights
+    from engine.convert.tools import export_model_weights, import_model_weights
 
     try:
         if args.command in ("from-hf", "to-hf"):
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _hugging_face(args: argparse.Namespace) -> int:
-    from engine.checkpoint.hf import export_hf_model, import_hf_model, parse_size
+    from engine.convert.hf import export_hf_model, import_hf_model, parse_size
 
     if args.command == "from-hf":
         out = import_hf_model(args.hf_dir, args.checkpoint_dir)

@@ -130,8 +130,8 @@ def mfu_args(ctx: Ctx):
 
 
 def build_model(args, device: torch.device, seed: int = 0, parallelize=None):
-    """Meta model → ``parallelize(model)`` → engine.train.model_builder.materialize (to_empty + init)."""
-    from engine.train.model_builder import materialize
+    """Meta model → ``parallelize(model)`` → engine.setup.model_builder.materialize (to_empty + init)."""
+    from engine.setup.model_builder import materialize
     from models.llama.model import Transformer
 
     with torch.device("meta"):

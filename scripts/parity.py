@@ -115,7 +115,7 @@ def _select_layouts(a, argv: list[str], cfg, device_type: str):
     """(layouts to run, lines about the auto layouts left out) or raise ValueError with one line."""
     from engine.parity.layouts import auto_layouts, check_layout, fit_batch, parse_layout
 
-    from engine.launch.preflight import resolve_model_setup
+    from engine.setup.preflight import resolve_model_setup
 
     moe = getattr(resolve_model_setup(cfg).args, "num_experts", 0) > 0
     if a.layouts.strip() == "auto":

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.flavor not in spec.flavors:
         return _refuse(f"--flavor {a.flavor!r} is not a flavor of {a.model}; use one of {', '.join(spec.flavors)}")
     from engine.config import ConfigError, load_config
-    from engine.planner.hardware import HardwareError, get_gpu
+    from engine.observe.hardware import HardwareError, get_gpu
     from engine.planner.report import table, write_json
     from engine.planner.search import ROWS, plan
 

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _verify(folder: str) -> int:
     """Hash every file (a mismatch raises PreparedDataError, exit 2) and record the result for runs."""
-    from engine.data.prepared import verify_checksums
+    from engine.data.checksums import verify_checksums
 
     count = verify_checksums(folder)
     print(f"{folder}: every file ({count}) matches its manifest (size and checksum)")

@@ -6,7 +6,7 @@
 Takes the same arguments as training (engine/train/main.py) and writes
 ``<run folder>/<checkpoint.folder>/step-0`` (model weights only): every later run in that folder
 loads them, whatever its parallel degrees, then trains from step 0 with a fresh optimizer. Exit
-status 2 with a one-line message on bad input. The work is done by engine/checkpoint/tools.py.
+status 2 with a one-line message on bad input. The work is done by engine/convert/tools.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ use_project_python()  # the system Python of a fresh machine lacks torch: re-run
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.checkpoint.tools import save_seed_checkpoint
+    from engine.convert.tools import save_seed_checkpoint
     from engine.config import ConfigError, load_config
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # one process, whatever launched us

@@ -89,9 +89,9 @@ def flip_last_byte(path: str) -> None:
 
 
 def setup_check(folder, tmp_path, *extra):
-    """The launcher's pre-flight (engine/launch/preflight.py) of a run on ``folder``."""
+    """The launcher's pre-flight (engine/setup/preflight.py) of a run on ``folder``."""
     from engine.config import load_config
-    from engine.launch.preflight import check_setup
+    from engine.setup.preflight import check_setup
 
     config = load_config(["--data.path", folder, "--job.dump_folder", str(tmp_path / "run"), *extra])
     config.validate()

@@ -5,6 +5,8 @@ importing, so that one test says when a change breaks one:
   (``models.<family>``) or holds a family's name (or a Hugging Face model type a family reads) as a
   string constant; it reaches families only through models/registry.py;
 - models/ and parallelisms/ never import engine/;
+- engine/'s packages form layers (:data:`ENGINE_LAYERS`: which package may import which), so no
+  import runs back up, and no engine modules import each other in a circle;
 - files under ~400 lines and functions under ~80 (:data:`MAX_FILE_LINES`, :data:`MAX_FUNCTION_LINES`,
   with the justified exceptions listed in :data:`EXCEPTIONS`);
 - the torch-free list (:data:`TORCH_FREE`): what the launcher's pre-flight, the planner and the
@@ -36,13 +38,13 @@ EXCEPTIONS: dict[str, str] = {}
 TORCH_FREE = (
     "engine.config", "engine.config.loading", "engine.config.schema", "engine.config.toml_format",
     "engine.config.validation", "engine.config.fingerprint", "engine.config.__main__",
-    "engine.launch", "engine.launch.launcher", "engine.launch.preflight", "engine.launch.dry_run",
+    "engine.launch", "engine.launch.launcher", "engine.launch.dry_run", "engine.setup", "engine.setup.preflight",
     "engine.planner", "engine.planner.activations", "engine.planner.comm", "engine.planner.estimate",
-    "engine.planner.hardware", "engine.planner.layout", "engine.planner.memory", "engine.planner.params",
+    "engine.observe.hardware", "engine.planner.layout", "engine.planner.memory", "engine.planner.params",
     "engine.planner.real_plan", "engine.planner.reduction", "engine.planner.report", "engine.planner.schedule",
     "engine.planner.search",
     "engine.data.batch_sizes", "engine.data.tokenizer", "engine.data.prepared", "engine.data.sources",
-    "engine.checkpoint.files", "engine.checkpoint.hf_adapter",
+    "engine.checkpoint.files", "engine.convert", "engine.convert.hf_adapter", "engine.observe",
     "models", "models.registry", "models.planning", "models.hf",
     "parallelisms.checks", "parallelisms.parallel_dims", "parallelisms.pipeline_plan",
 )
@@ -153,6 +155,144 @@ def test_models_and_parallelisms_never_import_engine():
     assert not found, "models/ and parallelisms/ must not import engine/:\n" + "\n".join(sorted(set(found)))
 
 
+# engine/'s floors (engine/docs/architecture.md, "Layers"): each package may import itself and the
+# packages listed, nothing else, so no import runs back up; the table itself has no circle
+# (test_the_layer_table_has_no_circle), and neither have the modules (test_engine_modules_form_no_circle).
+ENGINE_LAYERS: dict[str, set[str]] = {
+    "data": set(),
+    "observe": set(),
+    "config": {"data"},
+    "checkpoint": {"config"},
+    "setup": {"checkpoint", "data"},
+    "train": {"checkpoint", "config", "data", "observe", "setup"},
+    "convert": {"checkpoint", "config", "data", "setup"},
+    "planner": {"observe", "setup"},
+    "parity": {"config", "convert", "setup"},
+    "launch": {"config", "observe", "planner", "setup"},
+}
+
+
+def _engine_modules(root: str) -> dict[str, str]:
+    """{module name: file} of every module under ``root``/engine (a package by its ``__init__``)."""
+    out = {}
+    for path in _python_files(os.path.join(root, "engine")):
+        parts = os.path.relpath(path, root)[:-len(".py")].split(os.sep)
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def engine_imports(root: str) -> dict[str, list[tuple[int, str]]]:
+    """{module: [(line, engine module it imports)]}, function-level imports included."""
+    modules = _engine_modules(root)
+    out = {}
+    for module, path in modules.items():
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read(), path)
+        out[module] = [(line, target) for line, target in imported_modules(tree)
+                       if target in modules and target != module]
+    return out
+
+
+def layering_violations(root: str, layers: dict[str, set[str]]) -> list[str]:
+    """``"engine/a/x.py:L: a imports b (engine.b.y)"`` for each import between engine packages that
+    ``layers`` does not allow, and each package missing from ``layers``."""
+    def package(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 2 or (len(parts) == 2 and os.path.isdir(os.path.join(root, *parts))) else None
+
+    files, out = _engine_modules(root), set()
+    for module, targets in engine_imports(root).items():
+        source = package(module)
+        if source is not None and source not in layers:
+            out.add(f"engine/{source}/ is not in the layer table: give it a row")
+            continue
+        bad = {}  # (line, package) -> the most specific module named there
+        for line, target in targets:
+            goal = package(target)
+            if source is not None and goal not in (None, source) and goal not in layers[source]:
+                bad[line, goal] = max(bad.get((line, goal), ""), target, key=len)
+        where = os.path.relpath(files[module], root)
+        out.update(f"{where}:{line}: {source} imports {goal} ({target})" for (line, goal), target in bad.items())
+    return sorted(out)
+
+
+def module_circles(root: str) -> list[list[str]]:
+    """The circles among engine's modules: each strongly connected component of the import graph with
+    more than one module (Tarjan 1972), the modules sorted."""
+    graph = {module: {target for _, target in targets} for module, targets in engine_imports(root).items()}
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(out)
+
+
+def table_circle(layers: dict[str, set[str]]) -> list[str]:
+    """Packages left over when the table is peeled from the bottom (those that import nothing
+    left): empty when the allowed imports form layers, else the packages on or above a circle."""
+    left = {name: set(allowed) for name, allowed in layers.items()}
+    while True:
+        bottom = {name for name, allowed in left.items() if not allowed & left.keys()}
+        if not bottom:
+            return sorted(left)
+        left = {name: allowed for name, allowed in left.items() if name not in bottom}
+
+
+def test_the_layer_table_has_no_circle():
+    assert table_circle(ENGINE_LAYERS) == [] and set(ENGINE_LAYERS) == {
+        name for name in os.listdir(ENGINE) if os.path.isfile(os.path.join(ENGINE, name, "__init__.py"))}
+
+
+def test_engine_imports_follow_the_layers():
+    found = layering_violations(REPO, ENGINE_LAYERS)
+    assert not found, ("engine/ packages import only the packages below them (ENGINE_LAYERS, engine/docs/"
+                       "architecture.md 'Layers'):\n" + "\n".join(found))
+
+
+def test_engine_modules_form_no_circle():
+    found = module_circles(REPO)
+    assert not found, "these engine modules import each other:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_layering_check_catches(tmp_path):
+    """The checkers find an import that runs back up, a package without a row, a circle of modules
+    (through a function-level import) and a circle in the table."""
+    for package in ("low", "high", "new"):
+        (tmp_path / "engine" / package).mkdir(parents=True)
+        (tmp_path / "engine" / package / "__init__.py").write_text("")
+    (tmp_path / "engine" / "__init__.py").write_text("")
+    (tmp_path / "engine" / "high" / "top.py").write_text("from engine.low.base import f\n")
+    (tmp_path / "engine" / "low" / "base.py").write_text(
+        "def f():\n    from engine.high import top\n    return top\n")
+    (tmp_path / "engine" / "new" / "x.py").write_text("import engine.low.base\n")
+    layers = {"low": set(), "high": {"low"}}
+    assert layering_violations(str(tmp_path), layers) == [
+        "engine/low/base.py:2: low imports high (engine.high.top)",
+        "engine/new/ is not in the layer table: give it a row"]
+    assert module_circles(str(tmp_path)) == [["engine.high.top", "engine.low.base"]]
+    assert table_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set(), "e": {"a"}}) == ["a", "b", "c", "e"]
+    assert table_circle(layers) == []
+
+
 def size_violations(path: str) -> list[str]:
     """``path`` over :data:`MAX_FILE_LINES` lines, and its functions over :data:`MAX_FUNCTION_LINES`."""
     rel = os.path.relpath(path, REPO)
@@ -237,7 +377,7 @@ def test_torch_blocker_catches_a_torch_import():
 # ranks start (each of their functions runs there, whichever feature the config turns on: the config's
 # loading and validate(), then check_setup), then what each imported module runs at import time, and
 # the body of each imported function, transitively.
-PREFLIGHT_ENTRIES = ("engine.config.loading", "engine.config.validation", "engine.launch.preflight")
+PREFLIGHT_ENTRIES = ("engine.config.loading", "engine.config.validation", "engine.setup.preflight")
 HEAVY = ("torch", "numpy", "datasets", "transformers", "safetensors", "tensorboard")
 
 

@@ -36,7 +36,7 @@ def _setup_errors(argv_list: list[list[str]]) -> list[str]:
 @pytest.fixture(scope="module")
 def seeded_run(tmp_path_factory) -> str:
     """A run folder whose checkpoint folder holds a seed checkpoint (step-0, model weights only)."""
-    from engine.checkpoint.tools import save_seed_checkpoint
+    from engine.convert.tools import save_seed_checkpoint
     from engine.config import load_config
 
     folder = str(tmp_path_factory.mktemp("seeded"))

@@ -133,7 +133,7 @@ def test_stop_request_records_sigterm_and_sigusr1():
 # ---------------------------------------------------------------- export, import, seed
 def _export_round_trip(folder: str) -> dict:
     """Train 2 steps; export step-2; compare with the live model; import; a new run starts from it."""
-    from engine.checkpoint.tools import export_model_weights, import_model_weights, save_seed_checkpoint
+    from engine.convert.tools import export_model_weights, import_model_weights, save_seed_checkpoint
     from engine.config import load_config
     from engine.train.trainer import Trainer
 

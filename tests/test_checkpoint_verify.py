@@ -281,7 +281,7 @@ def test_fall_back_to_a_seed_checkpoint_starts_the_optimizer_fresh(corpus, tmp_p
     """step-0 is a seed (model weights only) and step-5, without manifest, cannot be read: by the
     time DCP fails, the optimizer state exists and is partly filled; the run from the seed must
     still equal a run that only ever saw the seed."""
-    from engine.checkpoint.tools import save_seed_checkpoint
+    from engine.convert.tools import save_seed_checkpoint
     from engine.config import load_config
 
     seeded = str(tmp_path / "seeded")

@@ -12,7 +12,8 @@ import time
 import pytest
 
 import engine.data.checksums as checksums
-from engine.data.prepared import PreparedDataError, content_id, read_manifest, verify_checksums
+from engine.data.checksums import verify_checksums
+from engine.data.prepared import PreparedDataError, content_id, read_manifest
 from tests.prepared_utils import (REPO, copy_set, flip_last_byte, load_prepare_script, loader, setup_check,
                                   sets)  # noqa: F401
 

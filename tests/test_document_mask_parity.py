@@ -144,7 +144,7 @@ def test_a_tokenizer_without_bos_is_refused_at_start_up(monkeypatch, tmp_path):
     """No BOS, no document boundaries: refused by the pre-flight in one line (never plain causal)."""
     from engine.config import load_config
     from engine.data.tokenizer import Tokenizer
-    from engine.launch.preflight import check_setup
+    from engine.setup.preflight import check_setup
 
     init = Tokenizer.__init__
 

@@ -37,7 +37,7 @@ def test_fit_warning_names_the_predicted_bytes():
     80 GiB GPU cannot hold its 120 GiB of state; the debug model can."""
     from engine.config import load_config
     from engine.launch.dry_run import fit_message
-    from engine.planner.hardware import GIB, get_gpu
+    from engine.observe.hardware import GIB, get_gpu
 
     gpu = get_gpu("H100-80GB")
     big = load_config(["--job.config_file", os.path.join(REPO, "train_configs", "llama3_8b.toml")])
@@ -54,7 +54,7 @@ def test_dry_run_that_does_not_fit_exits_1_with_a_hint():
     # 8B on one GPU: 119.6 GiB of state alone; sharding it is the fix, not activation settings.
     assert last[0].startswith("dry run: does NOT fit") and "shard them over more GPUs" in last[1], last
     from engine.launch.dry_run import fit_hint
-    from engine.planner.hardware import GIB
+    from engine.observe.hardware import GIB
     from engine.planner.memory import MemoryEstimate
 
     # State that fits with activations that do not: the activation settings are the fix.
@@ -63,12 +63,12 @@ def test_dry_run_that_does_not_fit_exits_1_with_a_hint():
 
 
 def test_a_layout_fits_only_within_the_headroom():
-    """5 % of the GPU stays free (engine/planner/hardware.py HEADROOM): a total at 97 % of the memory
+    """5 % of the GPU stays free (engine/observe/hardware.py HEADROOM): a total at 97 % of the memory
     is reported as not fitting, one at 94 % fits."""
     from engine.config import load_config
     from engine.launch.dry_run import fit_message
     from engine.planner.estimate import estimate
-    from engine.planner.hardware import get_gpu
+    from engine.observe.hardware import get_gpu
     from engine.planner.layout import Layout
 
     gpu = get_gpu("H100-80GB")

@@ -176,12 +176,12 @@ def test_rank_without_tokens_gets_zero_gradients(runs_2):
 
 
 def test_experts_are_sharded_in_the_fsdp_step(monkeypatch, tmp_path):
-    """The MoE plan shards the experts after CP, activation checkpointing (and compile) and just before
-    the blocks' FSDP units, as its docstring orders (models/moe/parallelize.py): the real plan of an
+    """The driver shards the experts after CP, activation checkpointing (and compile) and just before
+    the blocks' FSDP units, as its docstring orders (parallelisms/parallelize.py): the real plan of an
     ep 2 × cp 2 layout with full AC, built on the meta device under a fake process group, records
     the order of the steps."""
-    import models.llama.parallelize as llama_plan
-    import models.moe.parallelize as moe_plan
+    import parallelisms.expert_parallel as expert_parallel
+    import parallelisms.parallelize as driver
     from engine.config import load_config
     from engine.planner.real_plan import build_real_plan
 
@@ -193,11 +193,10 @@ def test_experts_are_sharded_in_the_fsdp_step(monkeypatch, tmp_path):
             return real(*args, **kwargs)
         return wrapped
 
-    monkeypatch.setattr(llama_plan, "apply_cp", record("cp", llama_plan.apply_cp))
-    monkeypatch.setattr(llama_plan, "apply_activation_checkpointing",
-                        record("ac", llama_plan.apply_activation_checkpointing))
-    monkeypatch.setattr(llama_plan, "apply_fsdp", record("fsdp", llama_plan.apply_fsdp))
-    monkeypatch.setattr(moe_plan, "shard_module", record("experts", moe_plan.shard_module))
+    monkeypatch.setattr(driver, "apply_cp", record("cp", driver.apply_cp))
+    monkeypatch.setattr(driver, "apply_activation_checkpointing", record("ac", driver.apply_activation_checkpointing))
+    monkeypatch.setattr(driver, "apply_fsdp", record("fsdp", driver.apply_fsdp))
+    monkeypatch.setattr(expert_parallel, "shard_module", record("experts", expert_parallel.shard_module))
     cfg = load_config(base_args(str(tmp_path), {**MOE, "parallelism.cp": "2", "parallelism.dp_shard": "2",
                                                 "parallelism.ep": "2", "activation_checkpoint.mode": "full",
                                                 "training.local_batch_size": "4"}))

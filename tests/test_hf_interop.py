@@ -21,8 +21,8 @@ transformers = pytest.importorskip(
 
 from engine.checkpoint import files  # noqa: E402
 from engine.checkpoint.files import CheckpointError  # noqa: E402
-from engine.checkpoint.hf import export_hf_model, import_hf_model  # noqa: E402
-from engine.checkpoint.hf_adapter import hf_config_from_args  # noqa: E402
+from engine.convert.hf import export_hf_model, import_hf_model  # noqa: E402
+from engine.convert.hf_adapter import hf_config_from_args  # noqa: E402
 from tests.training_utils import REPO, SMALL_CORPUS, base_args  # noqa: E402
 
 VOCAB = 320  # the test tokenizer's size (256 bytes + 3 specials + merges)
@@ -88,7 +88,7 @@ def quadra_model(checkpoint_dir: str):
     import torch.distributed.checkpoint as dcp
 
     from engine.checkpoint.state import quiet_single_process
-    from engine.train.model_builder import build_meta_model, materialize
+    from engine.setup.model_builder import build_meta_model, materialize
     from models.registry import args_from_record
 
     spec, args = args_from_record(files.read_marker(checkpoint_dir)["model"], checkpoint_dir)
@@ -170,7 +170,7 @@ def test_to_hf_reloads_in_transformers_and_round_trips_bitwise(converted, tmp_pa
 
 def test_preflight_refuses_another_model_than_the_checkpoint(converted, tmp_path):
     from engine.config import load_config
-    from engine.launch.preflight import check_setup
+    from engine.setup.preflight import check_setup
 
     _, dcp_dir, _ = converted["llama_tied_scaled"]
     overrides = {"checkpoint.enable": "true", "checkpoint.initial_load_path": dcp_dir, "model.flavor": "debugmodel",
@@ -193,7 +193,7 @@ def test_preflight_refuses_another_model_than_the_checkpoint(converted, tmp_path
 
 
 def test_models_without_a_hugging_face_equivalent_are_refused():
-    from engine.checkpoint.hf_adapter import weight_rules
+    from engine.convert.hf_adapter import weight_rules
     from models.registry import get_model_args
 
     deepseek_style = get_model_args("moe", "debugmodel")  # shared expert, dense first layer, routing bias
@@ -239,7 +239,7 @@ def test_command_line(converted, tmp_path, capsys):
     assert "--max-shard-size 'lots' is not a size" in capsys.readouterr().err
     assert script.main(["to-hf", str(tmp_path / "missing"), str(tmp_path / "z")]) == 2  # before torch loads
     assert capsys.readouterr().err == f"error: checkpoint_dir {tmp_path / 'missing'}: no such file or folder\n"
-    from engine.checkpoint.tools import DTYPES
+    from engine.convert.tools import DTYPES
 
     assert script.DTYPE_NAMES == tuple(sorted(DTYPES))  # the torch-free copy of the --dtype choices
 
@@ -308,7 +308,7 @@ def test_to_hf_of_an_older_checkpoint_reads_the_config_it_was_saved_with(tmp_pat
     """A checkpoint whose quadra.json predates the model record: to-hf builds the model from the
     [model] section of the config stored with it (here the debug flavor, tied, with the bundled
     SentencePiece tokenizer's ids)."""
-    from engine.checkpoint.tools import save_seed_checkpoint
+    from engine.convert.tools import save_seed_checkpoint
     from engine.config import load_config
 
     cfg = load_config(base_args(str(tmp_path / "run"), {"checkpoint.enable": "true", "model.tie_embeddings": "true",

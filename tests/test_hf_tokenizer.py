@@ -84,7 +84,7 @@ def test_special_tokens_come_from_the_tokenizer_config(tokenizer_json, tmp_path)
 
 def test_preflight_refuses_a_tokenizer_larger_than_the_model(tokenizer_json, tmp_path):
     from engine.config import load_config
-    from engine.launch.preflight import check_setup
+    from engine.setup.preflight import check_setup
 
     cfg = load_config(base_args(str(tmp_path), {"model.tokenizer_path": tokenizer_json, "model.vocab_size": "300",
                                                 "model.flavor": "debugmodel"}))

@@ -258,9 +258,9 @@ def test_other_ranks_print_only_when_asked(tmp_path, caplog, log_all_ranks):
 
 
 def test_mfu_and_the_planner_read_one_gpu_table():
-    """The planner's GPUs (engine/planner/hardware.py) and MFU's peaks are the same table: a driver's
+    """The planner's GPUs (engine/observe/hardware.py) and MFU's peaks are the same table: a driver's
     name gives the same peak FLOP/s to both."""
-    from engine.planner.hardware import GPUS, gpu_from_device_name
+    from engine.observe.hardware import GPUS, gpu_from_device_name
 
     for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA A100-SXM4-40GB", "NVIDIA A100 80GB PCIe",
                  "NVIDIA B200"):

@@ -13,7 +13,7 @@ from models import ModelSpec, get_model_args, get_model_spec, register_model_spe
 from models.registry import load_ref
 from models.llama import LlamaModelArgs, Transformer
 from models.llama.args import ffn_hidden_dim
-from models.llama.parallelize import parallelize_llama
+from models.llama.parallelize import LLAMA_PLAN
 
 
 def tiny_args(**overrides) -> LlamaModelArgs:
@@ -288,7 +288,7 @@ def test_validate_errors(overrides, match):
 
 def test_registry_lookup_and_errors():
     spec = get_model_spec("llama")
-    assert load_ref(spec.model_cls) is Transformer and load_ref(spec.parallelize_fn) is parallelize_llama
+    assert load_ref(spec.model_cls) is Transformer and load_ref(spec.parallelize_plan) is LLAMA_PLAN
     assert {"debugmodel", "1B", "8B", "70B", "405B"} <= set(spec.flavors)
     with pytest.raises(ValueError, match="already registered"):
         register_model_spec(ModelSpec("llama", Transformer, {"x": tiny_args()}, None))

@@ -24,7 +24,7 @@ def _small_flavors():
 
 
 def _meta_model(spec, args):
-    from engine.train.model_builder import build_meta_model
+    from engine.setup.model_builder import build_meta_model
 
     return build_meta_model(spec, args)
 

@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from engine.train.model_builder import resolve_model_args
+from engine.setup.model_builder import resolve_model_args
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
 from tests.dist_utils import run_distributed
 

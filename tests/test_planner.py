@@ -136,7 +136,7 @@ def test_presets_fit_their_gpus(preset):
     """Each preset fits an H100 80GB at the GPU count its header states, per the planner."""
     from engine.config import load_config
     from engine.planner.estimate import estimate
-    from engine.planner.hardware import get_gpu
+    from engine.observe.hardware import get_gpu
     from engine.planner.layout import Layout
 
     cfg = load_config(["--job.config_file", os.path.join(REPO, "train_configs", preset)])
@@ -149,7 +149,7 @@ def test_presets_fit_their_gpus(preset):
 def test_flops_per_token_equal_the_models_accounting(model):
     """The planner's torch-free 6N + attention (active experts only) equals the models' own
     ``get_nparams_and_flops`` on the built meta model, which MFU in training uses."""
-    from engine.train.model_builder import build_meta_model
+    from engine.setup.model_builder import build_meta_model
     from engine.planner.estimate import training_flops_per_token
     from engine.planner.layout import Layout
 

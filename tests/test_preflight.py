@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from engine.config import load_config
-from engine.launch.preflight import check_setup, hardware_warnings
+from engine.setup.preflight import check_setup, hardware_warnings
 from tests.training_utils import REPO
 
 
@@ -21,7 +21,7 @@ def test_setup_rules_import_no_torch():
     code = (
         "import sys\n"
         "from engine.config import load_config\n"
-        "from engine.launch.preflight import check_setup\n"
+        "from engine.setup.preflight import check_setup\n"
         "cfg = load_config(['--parallelism.pp', '2', '--parallelism.cp', '2', '--parallelism.tp', '2',\n"
         "                   '--document_mask.enable', 'true', '--document_mask.restart_positions', 'true'])\n"
         "cfg.validate()\n"
@@ -73,7 +73,7 @@ def test_a_missing_local_path_that_reads_as_a_hub_name_is_refused_before_any_ran
     (False, "cpu", "float32", False),
 ])
 def test_bf16_on_a_cpu_without_bf16_instructions_is_warned_about(monkeypatch, fast_bf16, device, dtype, warned):
-    monkeypatch.setattr("engine.launch.preflight.cpu_has_fast_bf16", lambda: fast_bf16)
+    monkeypatch.setattr("engine.setup.preflight.cpu_has_fast_bf16", lambda: fast_bf16)
     cfg = load_config(["--training.mixed_precision_param", dtype])
     warnings = hardware_warnings(cfg, device)
     assert bool(warnings) == warned

@@ -18,7 +18,7 @@ import models  # noqa: E402,F401  (registers the families)
 from models.registry import get_model_args, get_model_spec, load_ref  # noqa: E402
 
 
-# The family's adapters and planner view, through its ModelSpec (as engine/checkpoint/hf.py and
+# The family's adapters and planner view, through its ModelSpec (as engine/convert/hf.py and
 # engine/planner/ reach them).
 def _adapter(name: str):
     return get_model_spec(name).get("hf_adapter")

@@ -56,7 +56,7 @@ def test_trainer_resolves_once(tmp_path, calls):
 
 
 def test_seed_checkpoint_loads_the_tokenizer_once(tmp_path, calls):
-    from engine.checkpoint.tools import save_seed_checkpoint
+    from engine.convert.tools import save_seed_checkpoint
 
     cfg = load_config(base_args(str(tmp_path), {"checkpoint.enable": "true"}))
     cfg.validate()

@@ -59,14 +59,15 @@ def _collectives_per_block(sequence_parallel: bool) -> dict:
 
     from models import get_model_args
     from models.llama.model import Transformer
-    from models.llama.parallelize import apply_tp_llama
+    from models.llama.parallelize import llama_tp_plan
+    from parallelisms.tensor_parallel import apply_tp_plan
 
     args = dataclasses.replace(get_model_args("llama", "debugmodel"), n_layers=1, max_seq_len=16)
     torch.manual_seed(0)
     model = Transformer(args)
     model.init_weights(seed=0)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    apply_tp_llama(model, mesh, sequence_parallel=sequence_parallel, loss_parallel=True)
+    apply_tp_plan(model, mesh, llama_tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=True))
     # The block's input as the residual stream holds it: a sequence shard with SP, else all of it.
     x = torch.randn(2, 8 if sequence_parallel else 16, args.dim, requires_grad=True)
 
@@ -218,6 +219,25 @@ def test_parity_with_one_process(layout, rank_results, reference):
     # Every rank (tp peers included) reports the same reduced loss and grad norm.
     for results in rank_results(world_size):
         assert_parity(results["histories"][layout], reference)
+
+
+def test_tied_embeddings_stay_one_parameter(tmp_path):
+    """parallelize_module distributes each module's weight on its own; apply_tp_plan points the output
+    back at the embedding's DTensor (parallelisms/tensor_parallel.py), so the tied matrix stays one
+    vocab-sharded parameter that the optimizer updates once: the real plan of a tp 2 rank, built on
+    the meta device under a fake process group."""
+    from torch.distributed.tensor import Shard
+
+    from engine.config import load_config
+    from engine.planner.real_plan import build_real_plan
+
+    cfg = load_config(base_args(str(tmp_path), {"model.tie_embeddings": "true", "parallelism.tp": "2",
+                                                "parallelism.dp_shard": "1"}))
+    cfg.validate()
+    (part,) = build_real_plan(cfg, 2, 0, device_type="cpu").parts
+    assert part.output.weight is part.tok_embeddings.weight
+    assert part.output.weight.placements == (Shard(0),)
+    assert "output.weight" not in dict(part.named_parameters())  # counted, and stepped, once
 
 
 def test_grad_norm_and_clipping_over_mixed_meshes():

@@ -64,7 +64,7 @@ def test_preset_is_valid_for_the_gpus_it_states(path):
     """The header's "Assumes N GPUs" passes the launcher's own pre-flight at world size N on CUDA
     (degrees, batch divisibility, heads and vocabulary vs tp, pipeline stages, experts vs ep), and
     tensor parallel stays inside one 8-GPU node (its all-reduces need NVLink)."""
-    from engine.launch.preflight import check_setup
+    from engine.setup.preflight import check_setup
 
     match = re.search(r"Assumes (\d+) GPUs", path.read_text())
     assert match, f"{path.name}: the first lines must say 'Assumes N GPUs'"

@@ -47,7 +47,7 @@ class JobSection:
     dry_run: bool = _opt(False, "build the real model and plan on the meta device under a fake process group of "
                          "NGPU x NNODES ranks (one process, no GPU), print the planner's report, exit "
                          "(./run_train.sh --dry_run)")
-    dry_run_gpu: str = _opt("", "hardware table GPU the dry run checks the fit against (engine/planner/hardware.py); "
+    dry_run_gpu: str = _opt("", "hardware table GPU the dry run checks the fit against (engine/observe/hardware.py); "
                             "empty: the detected GPU, else H100-80GB")
 
 
@@ -284,7 +284,7 @@ class DocumentMaskSection:
 @dataclass
 class RecordSection:
     """``[record]``: one step's activations and gradients on every rank, for ``./scripts/parity.py
-    --locate`` (engine/parity/record.py)."""
+    --locate`` (engine/observe/record.py)."""
 
     step: int = _opt(0, "> 0: during this optimizer step every rank records each named module's forward input and "
                         "output and, after backward, each parameter's reduced gradient; 0: off")

@@ -100,10 +100,33 @@ def _mixture_problems(cfg) -> list[str]:
     return []
 
 
+def wsd_decay_steps(decay_ratio: float, training_steps: int) -> int:
+    """Number of final linear-decay steps D of the WSD schedule (engine/train/lr_scheduler.py)."""
+    if decay_ratio <= 0:
+        return 0
+    # round, not ceil: 0.1 * 30 is 3.0000000000000004 in floating point. A positive ratio
+    # always gets at least one decay step so that the last step reaches min_lr.
+    return max(1, round(decay_ratio * training_steps))
+
+
+def effective_warmup_steps(warmup_steps: int, decay_type: str, decay_ratio: float, training_steps: int) -> int:
+    """The warmup W the schedule uses: ``lr_scheduler.warmup_steps`` clamped to the run.
+
+    A warmup as long as the run or longer (a smoke run of a few steps with a production config) is
+    shortened to ``training_steps`` (as TorchTitan does): the lr rises until the last step. For wsd,
+    whose point is the final decay, it is shortened to leave the D decay steps. The schedule
+    (engine/train/lr_scheduler.py) uses it, and :func:`config_warnings` warns about it before launch.
+    """
+    if warmup_steps < 0 or training_steps < 1:
+        return warmup_steps  # refused by range_problems (and by the schedule)
+    limit = training_steps
+    if decay_type == "wsd":
+        limit = training_steps - wsd_decay_steps(decay_ratio, training_steps)
+    return min(warmup_steps, max(limit, 0))
+
+
 def config_warnings(cfg) -> list[str]:
     """Settings that work but are unusual: warned about once at launch, never refused."""
-    from engine.train.lr_scheduler import effective_warmup_steps
-
     t, s = cfg.training, cfg.lr_scheduler
     warnings = []
     warmup = effective_warmup_steps(s.warmup_steps, s.decay_type, s.decay_ratio, t.steps)

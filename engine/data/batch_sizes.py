@@ -1,6 +1,6 @@
 """Batch arithmetic of a step: global batch, data-parallel degree and gradient accumulation.
 
-Torch-free, so the launcher's pre-flight (engine/launch/preflight.py) refuses a batch that does not divide
+Torch-free, so the launcher's pre-flight (engine/setup/preflight.py) refuses a batch that does not divide
 before any rank starts; the data loader (engine/data/loader.py) applies the same rule.
 """
 

@@ -35,7 +35,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from engine.data.prepared import PreparedDataError
+from engine.data.prepared import PreparedDataError, open_checked
 
 logger = logging.getLogger("quadra.data")
 
@@ -231,3 +231,21 @@ def verify_files(folder: str, manifest: dict, where: str, *, use_cache: bool = T
             logger.warning("%s: cannot record the verified checksums in %s (%s); they will be hashed again at the "
                            "next start", where, cache, err)
     return len(todo)
+
+
+def verify_checksums(folder: str, setting: str = "folder", *, use_cache: bool = False) -> int:
+    """Compare every file of a prepared folder with the digest its manifest records.
+
+    Args:
+        use_cache: trust files recorded as verified in their current version (what a run does);
+            False hashes the whole set (``prepare_data.py --verify``).
+
+    Returns:
+        how many files were hashed.
+
+    Raises:
+        PreparedDataError: as ``engine.data.prepared.open_checked``, or naming the first file that
+            does not match.
+    """
+    manifest = open_checked(folder, setting)
+    return verify_files(folder, manifest, f"{setting}={folder!r}", use_cache=use_cache)

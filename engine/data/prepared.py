@@ -18,7 +18,7 @@ record afterwards, so a corrupted shard is refused by name and a launch on a ver
 ``os.stat`` per file; numpy checks each shard's header. ``scripts/prepare_data.py --verify FOLDER``
 hashes everything again, whatever the record says.
 
-Standard library only: the launcher's pre-flight (engine/launch/preflight.py) imports this module, and it
+Standard library only: the launcher's pre-flight (engine/setup/preflight.py) imports this module, and it
 must not import torch or numpy.
 """
 
@@ -147,25 +147,6 @@ def open_checked(folder: str, setting: str = "data.path", identity: dict | None 
     if identity is not None:
         check_tokenizer(manifest, identity, folder, setting)
     return manifest
-
-
-def verify_checksums(folder: str, setting: str = "folder", *, use_cache: bool = False) -> int:
-    """Compare every file with the digest its manifest records (engine/data/checksums.py).
-
-    Args:
-        use_cache: trust files recorded as verified in their current version (what a run does);
-            False hashes the whole set (``prepare_data.py --verify``).
-
-    Returns:
-        how many files were hashed.
-
-    Raises:
-        PreparedDataError: as ``open_checked``, or naming the first file that does not match.
-    """
-    from engine.data.checksums import verify_files
-
-    manifest = open_checked(folder, setting)
-    return verify_files(folder, manifest, f"{setting}={folder!r}", use_cache=use_cache)
 
 
 def content_id(manifest: dict) -> str:

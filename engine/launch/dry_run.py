@@ -15,18 +15,18 @@ import os
 import sys
 import time
 
-from engine.planner.hardware import GIB, HEADROOM, usable  # torch-free
+from engine.observe.hardware import GIB, HEADROOM, usable  # torch-free
 
 
 def _gpu_for(cfg):
-    from engine.planner.hardware import GPUS, HardwareError, get_gpu, gpu_from_device_name
+    from engine.observe.hardware import GPUS, HardwareError, get_gpu, gpu_from_device_name
 
     if cfg.job.dry_run_gpu:
         try:
             return get_gpu(cfg.job.dry_run_gpu), "job.dry_run_gpu"
         except HardwareError:
             raise HardwareError(f"job.dry_run_gpu = {cfg.job.dry_run_gpu!r} is not in the hardware table "
-                                f"(engine/planner/hardware.py); use one of {', '.join(GPUS)}") from None
+                                f"(engine/observe/hardware.py); use one of {', '.join(GPUS)}") from None
     detected = _detected_gpu_name()
     if detected:
         gpu = gpu_from_device_name(detected)
@@ -46,7 +46,7 @@ def _detected_gpu_name() -> str | None:
 def dry_run(cfg, world_size: int, *, gpus_per_node: int) -> int:
     """Build, check and report (module docstring); returns the exit status."""
     from engine.planner.estimate import estimate
-    from engine.planner.hardware import HardwareError
+    from engine.observe.hardware import HardwareError
     from engine.planner.layout import Layout
     from engine.planner.memory import MemoryEstimate, state_bytes
     from engine.planner.real_plan import build_real_plan, rank_of
@@ -54,7 +54,7 @@ def dry_run(cfg, world_size: int, *, gpus_per_node: int) -> int:
 
     start = time.perf_counter()
     device_type = "cpu" if cfg.job.device == "cpu" else "cuda"
-    from engine.launch.preflight import check_setup
+    from engine.setup.preflight import check_setup
 
     try:
         gpu, gpu_source = _gpu_for(cfg)
@@ -111,7 +111,7 @@ def fit_hint(memory, gpu_bytes: int) -> str:
 def fit_message(cfg, world_size: int, *, gpus_per_node: int, gpu, gpu_bytes: int, gpu_name: str,
                 setup=None) -> str | None:
     """The warning line when the planner's per-rank total for ``cfg`` exceeds what a layout may use of
-    ``gpu_bytes`` (engine/planner/hardware.py ``usable``), else None.
+    ``gpu_bytes`` (engine/observe/hardware.py ``usable``), else None.
 
     Args:
         gpu: the hardware table entry (bandwidths and peak for the estimate); gpu_bytes: the
@@ -138,7 +138,7 @@ def fit_warning(cfg, world_size: int, *, gpus_per_node: int, setup=None) -> str 
     """:func:`fit_message` for the detected GPU (formulas only: milliseconds, no model is built); None
     when no GPU of the hardware table family is detected. Never raises: advice must not stop a launch."""
     try:
-        from engine.planner.hardware import gpu_from_device_name
+        from engine.observe.hardware import gpu_from_device_name
 
         name = _detected_gpu_name()
         gpu = gpu_from_device_name(name) if name else None

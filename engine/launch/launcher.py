@@ -5,7 +5,7 @@ which still starts, watches and stops the ranks):
 
 1. **Pre-flight.** The config is loaded and checked once, before any rank starts: first the config
    alone (no torch import), then every rule that the world size ``NGPU × NNODES`` decides
-   (:func:`engine.launch.preflight.check_setup`). A problem prints one line and exits 2.
+   (:func:`engine.setup.preflight.check_setup`). A problem prints one line and exits 2.
 2. **One line per failure.** When ranks fail, each writes its one-line reason to a file in
    ``QUADRA_ERROR_DIR`` (see engine/train/main.py) instead of the terminal; this process prints each
    distinct reason once, with the ranks that gave it, and exits with their status (2 for set-up
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"launch error: {error}")
         return 2
 
-    from engine.launch.preflight import check_setup, hardware_warnings
+    from engine.setup.preflight import check_setup, hardware_warnings
 
     world_size = nproc * nnodes
     device_type = cfg.job.device if cfg.job.device != "auto" else ("cuda" if gpus else "cpu")

@@ -11,11 +11,11 @@ import logging
 
 import torch
 
-from engine.planner.hardware import GPU_TABLE, lookup_gpu
+from engine.observe.hardware import GPU_TABLE, lookup_gpu
 
 logger = logging.getLogger("quadra")
 
-# (pattern, dense bf16 TFLOPS) in match order: a view of the one GPU table (engine/planner/hardware.py).
+# (pattern, dense bf16 TFLOPS) in match order: a view of the one GPU table (engine/observe/hardware.py).
 PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = tuple(
     {p: g.peak_flops / 1e12 for g in GPU_TABLE for p in g.patterns or (g.name,)}.items())
 

@@ -1,4 +1,4 @@
-"""Re-assemble one step's records of a parallel layout (engine/parity/record.py) into the view one
+"""Re-assemble one step's records of a parallel layout (engine/observe/record.py) into the view one
 process has of the same step, so that every module's input and output and every gradient can be
 compared with the one-process run tensor by tensor.
 

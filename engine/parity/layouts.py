@@ -17,7 +17,7 @@ A layout name is parts joined by ``x``; each part is a parallelism and its degre
 e.g. ``fsdp2``, ``tp2xpp2:1F1B``, ``fsdp2xcp2xtp2``. The reference ``1`` is one process. The world
 size of a layout is pp × dp_replicate × dp_shard × cp × tp (ep is carved out of dp_shard × cp, as in
 parallelisms/parallel_dims.py). Whether a layout is legal is decided by the launcher's own
-pre-flight (engine/launch/preflight.py), never by rules copied here.
+pre-flight (engine/setup/preflight.py), never by rules copied here.
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def check_layout(cfg_argv: list[str], layout: Layout, device_type: str) -> str |
     """None if the launcher's pre-flight accepts ``layout`` on top of ``cfg_argv`` (CLI-style config
     arguments), else its one-line reason."""
     from engine.config import ConfigError, load_config
-    from engine.launch.preflight import check_setup
+    from engine.setup.preflight import check_setup
 
     argv = list(cfg_argv)
     for key, value in layout.overrides.items():

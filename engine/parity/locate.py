@@ -1,6 +1,6 @@
 """The first-divergence locator: where, in one step, a layout's arithmetic leaves one process's.
 
-Both runs recorded the same step from the same weights (engine/parity/record.py); their records are
+Both runs recorded the same step from the same weights (engine/observe/record.py); their records are
 put in the one-process view (engine/parity/assemble.py) and compared module by module in forward
 order (the order outputs are produced, so a module comes after its children) and gradient by
 gradient in backward order, each as ``max|a - b| / max|b|`` (engine/parity/compare.py) against the

@@ -25,7 +25,7 @@ PRECISIONS = {"fp32": "float32", "fp64": "float64"}
 def _weights(result):
     if result.checkpoint is None:
         return None
-    from engine.checkpoint.tools import load_model_weights
+    from engine.convert.tools import load_model_weights
 
     return load_model_weights(result.checkpoint)
 

@@ -10,7 +10,7 @@
     MFU       = FLOPs per token × tokens per step / (step_time × ranks × peak_flops)   (PaLM App. B)
 
 ``link`` is NVLink when the dim's group lies inside one node, else the inter-node network
-(engine/planner/hardware.py; Layout.group_within_node). ``efficiency`` (default 0.6) is the share of
+(engine/observe/hardware.py; Layout.group_within_node). ``efficiency`` (default 0.6) is the share of
 peak a dense bf16 matmul-bound step reaches before communication and bubbles — MFU 38-43 % at
 Llama 3 405B scale (Grattafiori et al. 2024, Table 4) with its comm and bubble; an assumption, overridable.
 """

@@ -3,7 +3,7 @@
 Everything the formulas need is read here once: degrees (``ParallelDims``), the model arguments as
 trained, the batch geometry (sequences per microbatch, accumulation steps, pipeline microbatches),
 the pipeline split of every pp rank, AC mode and dtypes. Building one costs the torch-free
-pre-flight (engine/launch/preflight.py), so the search (engine/planner/search.py) can try hundreds.
+pre-flight (engine/setup/preflight.py), so the search (engine/planner/search.py) can try hundreds.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class Layout:
             ValueError: what the launcher's pre-flight refuses (one line naming the setting).
         """
         if setup is None:
-            from engine.launch.preflight import check_setup
+            from engine.setup.preflight import check_setup
 
             setup = check_setup(cfg, world_size, device_type, check_data=False)
         d, t = setup.parallel_dims, cfg.training

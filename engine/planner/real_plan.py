@@ -111,9 +111,9 @@ def rank_of(coords: dict, dims) -> int:
 def build_real_plan(cfg, world_size: int, rank: int = 0, *, device_type: str = "cuda", setup=None) -> RealPlan:
     """Build rank ``rank``'s parallelized model parts on the meta device under a fake process group.
 
-    Runs every check the ranks run at start-up (engine/launch/preflight.py ``check_setup`` without the data
+    Runs every check the ranks run at start-up (engine/setup/preflight.py ``check_setup`` without the data
     files) unless ``setup`` (its ``SetupPlan`` for ``world_size``) is given, then the trainer's own
-    build recipe (engine/train/model_builder.py ``build_model_parts``) minus allocation.
+    build recipe (engine/setup/model_builder.py ``build_model_parts``) minus allocation.
 
     Args:
         cfg: a validated ``JobConfig``; world_size: ranks of the run; rank: which one to build.
@@ -130,10 +130,10 @@ def build_real_plan(cfg, world_size: int, rank: int = 0, *, device_type: str = "
 
     import torch
 
-    from engine.train.model_builder import build_context_parallel, build_model_parts
+    from engine.setup.model_builder import build_context_parallel, build_model_parts
 
     if setup is None:
-        from engine.launch.preflight import check_setup
+        from engine.setup.preflight import check_setup
 
         setup = check_setup(cfg, world_size, device_type, check_data=False)
     dims = copy.copy(setup.parallel_dims)  # the mesh built here belongs to this fake group only

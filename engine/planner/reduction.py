@@ -9,7 +9,7 @@ The phase follows how torch's FSDP2 allocates (``fully_shard``, torch/distribute
 ``_fsdp_param_group.py`` ``FSDPParamGroup.post_backward``, ``_fsdp_collectives.py`` ``foreach_reduce``;
 Zhao et al. 2023, "PyTorch FSDP", arXiv 2304.11277 §3.2-3.3; ZeRO-3, Rajbhandari et al. 2020, arXiv
 1910.02054; DDP is torch's FSDP2-based ``replicate``), with this repo's units (parallelisms/
-data_parallel.py: each block and the root; models/moe/parallelize.py: each MoE block's experts).
+data_parallel.py: each block and the root; parallelisms/expert_parallel.py: each MoE block's experts).
 Backward reduces the units in reverse: each block of the rank's stages from the last (a MoE block's
 experts inside its block's backward), the root (embedding, final norm, output head) last. With ``pb``
 / ``rb`` bytes per element of the compute / reduce dtype, a unit of ``U`` elements whose

@@ -5,7 +5,7 @@ of the world size (one 1F1B stage per rank, one sequence per pipeline microbatch
 cp ∈ {1, 2, 4} for sequences of at least 4096·cp tokens, FSDP or HSDP (dp_replicate = nodes) or
 pure DDP, ep over the valid expert-parallel degrees for MoE models, AC none / selective "op" / full,
 and for each the largest local batch (fewest accumulation steps) that fits. Every candidate passes
-the launcher's own pre-flight (engine/launch/preflight.py) or is dropped.
+the launcher's own pre-flight (engine/setup/preflight.py) or is dropped.
 
 Decision matrix (the order a practitioner tries, from least to most communication):
 1. the full training state and activations fit one GPU            → DDP (dp_replicate = world)

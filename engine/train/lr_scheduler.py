@@ -25,32 +25,9 @@ from __future__ import annotations
 import functools
 import math
 
+from engine.config.validation import effective_warmup_steps, wsd_decay_steps  # the warmup the config decides
+
 SUPPORTED_DECAY_TYPES = ("constant", "linear", "cosine", "wsd")
-
-
-def _wsd_decay_steps(decay_ratio: float, training_steps: int) -> int:
-    """Number of final linear-decay steps D of the WSD schedule (see module docstring)."""
-    if decay_ratio <= 0:
-        return 0
-    # round, not ceil: 0.1 * 30 is 3.0000000000000004 in floating point. A positive ratio
-    # always gets at least one decay step so that the last step reaches min_lr.
-    return max(1, round(decay_ratio * training_steps))
-
-
-def effective_warmup_steps(warmup_steps: int, decay_type: str, decay_ratio: float, training_steps: int) -> int:
-    """The warmup W the schedule uses: ``lr_scheduler.warmup_steps`` clamped to the run.
-
-    A warmup as long as the run or longer (a smoke run of a few steps with a production config) is
-    shortened to ``training_steps`` (as TorchTitan does): the lr rises until the last step. For wsd,
-    whose point is the final decay, it is shortened to leave the D decay steps. Torch-free, so the
-    config check can warn about it before launch (``JobConfig.warnings``).
-    """
-    if warmup_steps < 0 or training_steps < 1:
-        return warmup_steps  # refused by _check_schedule / the config check
-    limit = training_steps
-    if decay_type == "wsd":
-        limit = training_steps - _wsd_decay_steps(decay_ratio, training_steps)
-    return min(warmup_steps, max(limit, 0))
 
 
 def _check_schedule(
@@ -81,7 +58,7 @@ def _check_schedule(
     if not 0.0 <= decay_ratio <= 1.0:
         raise ValueError(f"lr_scheduler.decay_ratio={decay_ratio} must be in [0, 1]")
     if decay_type == "wsd":
-        decay_steps = _wsd_decay_steps(decay_ratio, training_steps)
+        decay_steps = wsd_decay_steps(decay_ratio, training_steps)
         if warmup_steps + decay_steps > training_steps:
             raise ValueError(
                 f"lr_scheduler.warmup_steps={warmup_steps} plus the wsd decay of "
@@ -129,7 +106,7 @@ def lr_factor(
 
     min_factor = min_lr / lr
     if decay_type == "wsd":
-        decay_start = training_steps - _wsd_decay_steps(decay_ratio, training_steps)
+        decay_start = training_steps - wsd_decay_steps(decay_ratio, training_steps)
         if step <= decay_start:
             return 1.0
         progress = (step - decay_start) / (training_steps - decay_start)

@@ -32,9 +32,9 @@ from engine.train.documents import document_inputs
 from engine.train.loss import IGNORE_INDEX
 from engine.train.lr_scheduler import build_lr_scheduler
 from engine.observe.metrics import MetricsLogger
-from engine.train.model_builder import build_context_parallel, build_model_parts
+from engine.setup.model_builder import build_context_parallel, build_model_parts
 from engine.train.optimizer import build_optimizer
-from engine.launch.preflight import check_setup
+from engine.setup.preflight import check_setup
 from engine.observe.profiling import StepProfiler
 from engine.train.runner import PipelineRunner, SingleRunner, StepContext
 from engine.train.signals import StopRequest
@@ -43,7 +43,7 @@ from engine.train.capsule import capsule_path, write_capsule
 from engine.train.step_health import StepHealth, advance_lr_schedule
 from parallelisms.comm_counter import group_names_by_mesh_dim
 from parallelisms.grad_norm import clip_grad_norm_
-from engine.parity.record import StepRecorder
+from engine.observe.record import StepRecorder
 
 logger = logging.getLogger("quadra")
 
@@ -72,7 +72,7 @@ class Trainer:
 
     Raises (from ``__init__``, on every rank, before the model is allocated):
         ValueError and subclasses: bad degrees, tokenizer/model mismatch, seq_len too long,
-        missing or empty dataset, batch sizes that do not divide (engine/launch/preflight.py).
+        missing or empty dataset, batch sizes that do not divide (engine/setup/preflight.py).
     """
 
     def __init__(self, cfg: JobConfig):
@@ -215,7 +215,7 @@ class Trainer:
                           group_dims=self._group_dims)
         with timer.phase("data"):
             batches = [self.dataloader.next_batch() for _ in range(self.grad_accum_steps)]
-            self.recorder.begin(self.step + 1, batches)  # [record] step only (engine/parity/record.py)
+            self.recorder.begin(self.step + 1, batches)  # [record] step only (engine/observe/record.py)
             microbatches = [self.runner.context.shard(*batch) for batch in batches]
         local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches)
         global_tokens = self._dp_sum(torch.tensor(float(local_tokens), device=self.device))

@@ -12,7 +12,7 @@ register_model_spec(
         name="llama",
         model_cls="models.llama.model:Transformer",
         flavors=llama3_flavors,
-        parallelize_fn="models.llama.parallelize:parallelize_llama",
+        parallelize_plan="models.llama.parallelize:LLAMA_PLAN",
         validate_parallelism_fn=validate_llama_parallelism,
         hf_adapter="models.llama.hf:LLAMA_HF_ADAPTER",
         param_shapes="models.llama.planning:llama_param_shapes",

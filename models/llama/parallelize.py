@@ -1,19 +1,14 @@
-"""The LLaMA parallelization plan: which parallelism wraps which module, in a fixed order.
+"""LLaMA's part of the shared parallelize driver (parallelisms/parallelize.py): its tensor-parallel plan.
 
-Order: TP → EP → CP → activation checkpointing → compile → FSDP/HSDP or DDP (as in TorchTitan).
-Tensor parallel comes first because it swaps parameters for DTensors on the ``tp`` mesh, which every
-later wrapper must see: activation checkpointing and compile wrap the already-sharded blocks, and
-FSDP, always last, must see the final module structure (wrapped, compiled blocks) to place its
-per-block units and shards the TP DTensors once more over dp_shard (2-D: FSDP across, TP within).
-
-The TP plan is Megatron-LM's (arXiv 1909.08053) with sequence parallel (arXiv 2205.05198): see
-:func:`apply_tp_llama`.
+The driver applies every step in the one order (TP → EP → CP → activation checkpointing → compile →
+FSDP/HSDP or DDP); this family gives it :data:`LLAMA_PLAN`, whose tensor-parallel plan is
+Megatron-LM's (arXiv 1909.08053) with sequence parallel (arXiv 2205.05198): see
+:func:`llama_tp_plan`. Qwen3 (models/qwen3/) uses the same plan, which reads QK-norm off the model.
 """
 
 from __future__ import annotations
 
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -23,100 +18,15 @@ from torch.distributed.tensor.parallel import (
 )
 
 from models.llama.model import FeedForward
-from parallelisms.activation_checkpoint import apply_activation_checkpointing
-from parallelisms.compile import apply_compile
-from parallelisms.context_parallel import ContextParallel, apply_cp
-from parallelisms.data_parallel import apply_ddp, apply_fsdp, reshard_setting
-from parallelisms.parallel_dims import ParallelDims
-from parallelisms.tensor_parallel import (
-    ReplicateOnTP,
-    VocabParallelEmbedding,
-    apply_tensor_parallel,
-    enable_async_tp,
-    wait_async_output,
-)
+from parallelisms.parallelize import ParallelizePlan
+from parallelisms.tensor_parallel import ReplicateOnTP, TensorParallelPlan, VocabParallelEmbedding
+
+__all__ = ["LLAMA_PLAN", "llama_tp_plan"]
 
 
-def parallelize_llama(
-    model: nn.Module,
-    parallel_dims: ParallelDims,
-    *,
-    parallelism_cfg,
-    ac_cfg,
-    compile_cfg,
-    param_dtype: str = "float32",
-    reduce_dtype: str = "float32",
-    context_parallel: ContextParallel | None = None,
-    global_batch_size: int = 0,
-    backend: str | None = None,
-    shard_inner_units=None,
-) -> nn.Module:
-    """Apply the configured parallelisms to ``model`` (a full model or one pipeline stage) in place.
-
-    Args:
-        model: LLaMA ``Transformer`` on the meta device (or any device).
-        parallel_dims: validated degrees with the mesh built (when world_size > 1).
-        parallelism_cfg: ``[parallelism]`` (sequence_parallel, loss_parallel, async_tp,
-            fsdp_reshard_after_forward, cp_rotate_method).
-        ac_cfg: ``[activation_checkpoint]``; compile_cfg: ``[compile]``.
-        param_dtype, reduce_dtype: ``training.mixed_precision_param`` / ``_reduce`` ("float32", "bfloat16").
-        context_parallel: the run's cp layout when ``cp > 1`` (its positions bind the attention).
-        global_batch_size: sequences per optimizer step (unused by the dense model; see the MoE plan).
-        backend: process-group backend ("gloo", "nccl") or None for one process.
-        shard_inner_units: None, or ``model -> None`` run in the FSDP step, after CP, AC and compile
-            and just before the blocks are sharded: a family's own FSDP units inside the blocks
-            (the MoE plan shards its experts on their own mesh there), which the blocks' units
-            then skip.
-
-    Returns:
-        The same module, parallelized.
-    """
-    if parallel_dims.tp_enabled:
-        apply_tp_llama(
-            model,
-            parallel_dims.mesh("tp"),
-            sequence_parallel=parallelism_cfg.sequence_parallel,
-            loss_parallel=parallelism_cfg.loss_parallel,
-        )
-        if parallelism_cfg.async_tp:  # accepted by validate_llama_parallelism: CUDA + compile + SP
-            enable_async_tp()
-        if compile_cfg.enable and model.tok_embeddings is not None:
-            wait_async_output(model.tok_embeddings)  # its output is the first compiled block's input
-    if parallel_dims.cp_enabled:
-        # Attention over the whole cp-split sequence; inputs, labels and RoPE rows are sharded per
-        # step by the runner (engine/train/runner.py) with the same ContextParallel.
-        apply_cp(model, context_parallel, rotate_method=parallelism_cfg.cp_rotate_method)
-    apply_activation_checkpointing(model, ac_cfg.mode, ac_cfg.selective_ac_option)
-    if compile_cfg.enable:
-        apply_compile(model, backend=compile_cfg.backend)
-
-    if parallel_dims.fsdp_enabled:
-        if shard_inner_units is not None:
-            shard_inner_units(model)
-        # HSDP: shard within dp_shard, replicate across dp_replicate.
-        mesh_name = "hsdp" if parallel_dims.dp_replicate_enabled else "dp_shard_cp"
-        apply_fsdp(
-            model,
-            parallel_dims.mesh(mesh_name),
-            param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype,
-            reshard_after_forward=reshard_setting(parallelism_cfg.fsdp_reshard_after_forward,
-                                                  parallel_dims.pp_enabled),
-            backend=backend or "gloo",
-        )
-    elif parallel_dims.ddp_enabled:
-        apply_ddp(
-            model,
-            parallel_dims.mesh("dp_replicate"),
-            param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype,
-            backend=backend or "gloo",
-        )
-    return model
-
-
-def apply_tp_llama(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:
-    """Shard a LLaMA ``Transformer`` (or pipeline stage) over the 1-D ``tp_mesh``, in place.
+def llama_tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -> TensorParallelPlan:
+    """The tensor-parallel plan of a LLaMA ``Transformer`` (or pipeline stage): which module gets which
+    ``ParallelStyle`` over the 1-D ``tp`` mesh (the driver applies it, parallelisms/tensor_parallel.py).
 
     Per block (Megatron-LM, arXiv 1909.08053, §3): attention wq/wk/wv column-parallel (each rank
     owns ``n_heads/tp`` query and ``n_kv_heads/tp`` key/value heads, so attention itself runs on
@@ -141,15 +51,17 @@ def apply_tp_llama(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: 
     model's ``view(..., -1, head_dim)`` picks up the local head counts.
 
     Tied embeddings stay tied: both weights are sharded on the vocab dim, so the output re-uses the
-    embedding's DTensor.
+    embedding's DTensor (``apply_tp_plan`` keeps shared parameters shared).
+
+    Blocks whose feed-forward is not LLaMA's ``FeedForward`` (an MoE layer) keep it out of the plan:
+    their family's plan shards it (models/moe/parallelize.py).
+
+    Returns:
+        (module, style or {sub-module name: style}) pairs: the model's embedding, final norm and
+        output, then each block.
     """
     # Layout of the residual stream between sub-blocks: sequence shards with SP, else replicated.
     stream = Shard(1) if sequence_parallel else Replicate()
-    tied = (
-        model.tok_embeddings is not None
-        and model.output is not None
-        and model.output.weight is model.tok_embeddings.weight
-    )
     qk_norm = any(getattr(block.attention, "qk_norm", False) for block in model.layers.values())
     plan = {}
     if model.tok_embeddings is not None:
@@ -164,16 +76,14 @@ def apply_tp_llama(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: 
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
         )
-    apply_tensor_parallel(model, tp_mesh, plan)
-    if tied:
-        # parallelize_module distributes each module's weight separately; share the one DTensor.
-        model.output.weight = model.tok_embeddings.weight
+    pairs = [(model, plan)]
     for block in model.layers.values():
         plan = _block_plan(sequence_parallel, qk_norm=qk_norm)
         if not isinstance(block.feed_forward, FeedForward):
             # Another feed-forward (e.g. an MoE layer): its model family's plan shards it.
             plan = {name: style for name, style in plan.items() if not name.startswith("feed_forward")}
-        apply_tensor_parallel(block, tp_mesh, plan)
+        pairs.append((block, plan))
+    return pairs
 
 
 def _block_plan(sequence_parallel: bool, qk_norm: bool = False) -> dict:
@@ -219,3 +129,6 @@ def _block_plan(sequence_parallel: bool, qk_norm: bool = False) -> dict:
         plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     return plan
+
+
+LLAMA_PLAN = ParallelizePlan(tensor_parallel=llama_tp_plan)

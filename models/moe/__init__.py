@@ -12,7 +12,7 @@ register_model_spec(
         name="moe",
         model_cls="models.moe.model:MoETransformer",
         flavors=moe_flavors,
-        parallelize_fn="models.moe.parallelize:parallelize_moe",
+        parallelize_plan="models.moe.parallelize:MOE_PLAN",
         validate_parallelism_fn=validate_moe_parallelism,
         hf_adapter="models.moe.hf:MIXTRAL_HF_ADAPTER",
         param_shapes="models.moe.planning:moe_param_shapes",

@@ -1,5 +1,5 @@
 """Start-up checks of ``[parallelism]`` against an MoE model: torch-free, so the launcher's
-pre-flight (engine/launch/preflight.py) and every rank run the same rule before anything is built."""
+pre-flight (engine/setup/preflight.py) and every rank run the same rule before anything is built."""
 
 from __future__ import annotations
 

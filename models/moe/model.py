@@ -45,9 +45,9 @@ class MoETransformerBlock(TransformerBlock):
 class MoETransformer(Transformer):
     """LLaMA-3 Transformer with MoE blocks, or a pipeline stage of it.
 
-    Attributes set by ``parallelize_moe``: ``token_group``, the process group of the ranks whose
-    tokens differ (data × context parallel; None on one process), over which the routing counts
-    are summed.
+    Attributes set by the parallelize driver (through models/moe/parallelize.py ``MOE_PLAN``):
+    ``token_group``, the process group of the ranks whose tokens differ (data × context parallel;
+    None on one process), over which the routing counts are summed.
 
     Raises:
         ValueError: from ``MoEModelArgs.validate()``.

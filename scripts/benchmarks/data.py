@@ -60,7 +60,8 @@ def write_synthetic(folder: str, n_tokens: int, chunk: int = 10_000_000) -> floa
 def verify_once(folder: str) -> dict:
     """Hash every file of a prepared folder as a run's first start does (engine/data/checksums.py),
     whatever its record says: {"seconds", "bytes", "gb_per_s"} (the record is written too)."""
-    from engine.data.prepared import read_manifest, verify_checksums
+    from engine.data.checksums import verify_checksums
+    from engine.data.prepared import read_manifest
 
     manifest = read_manifest(folder)
     size = sum(entry["bytes"] for entry in [*manifest["shards"], manifest["documents"]])

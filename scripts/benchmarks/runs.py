@@ -110,7 +110,7 @@ def engine_vs_bare_loop(argv: list[str], rounds: int, steps: int, warmup: int) -
     import torch
     import torch.nn.functional as F
 
-    from engine.train.model_builder import build_meta_model, materialize
+    from engine.setup.model_builder import build_meta_model, materialize
     from parallelisms.grad_norm import clip_grad_norm_
 
     trainer = build_trainer(argv)

@@ -91,7 +91,7 @@ def _hooks(kind, dims, from_step):
 
 def _scale_gradient(trainer, target: str, from_step: int) -> None:
     """Double ``target``'s local gradient after each step's backward (before clipping and recording)."""
-    from engine.parity.record import clean_name
+    from engine.observe.record import clean_name
 
     step = trainer.runner.step
 
@@ -108,11 +108,11 @@ def _scale_gradient(trainer, target: str, from_step: int) -> None:
 
 
 def _install() -> None:
-    import engine.train.model_builder as builder
+    import engine.setup.model_builder as builder
 
     build = builder.build_model_parts
 
-    from engine.parity.record import clean_name
+    from engine.observe.record import clean_name
 
     def build_with_defects(cfg, spec, args, *, parallel_dims=None, **kwargs):
         parts, nparams, flops = build(cfg, spec, args, parallel_dims=parallel_dims, **kwargs)

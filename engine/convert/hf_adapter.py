@@ -3,7 +3,7 @@
 Each family's ``ModelSpec.hf_adapter`` (models/<family>/hf.py, built on models/hf.py) knows its
 ``config.json`` fields, weight names and layouts; this module only picks the family and turns an
 adapter's refusal (``models.hf.HFConfigError``) into a one-line :class:`CheckpointError`.
-engine/checkpoint/hf.py does the file work.
+engine/convert/hf.py does the file work.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
   start from (``checkpoint.initial_load_path``) under any layout;
 - :func:`save_seed_checkpoint`: the initial weights of a config written as ``step-0`` of its
   checkpoint folder, so that runs with different parallel layouts start from the same file;
-- Hugging Face safetensors + config.json in both directions: engine/checkpoint/hf.py
+- Hugging Face safetensors + config.json in both directions: engine/convert/hf.py
   (``import_hf_model``, ``export_hf_model``), which writes through :func:`write_model_only`.
 
 The scripts ``scripts/convert_checkpoint.py`` and ``scripts/seed_checkpoint.py`` are thin command
@@ -184,11 +184,11 @@ def save_seed_checkpoint(cfg) -> str:
     Raises:
         CheckpointError: the checkpoint folder already holds a complete checkpoint (a seed would be
             ignored in favour of it).
-        ValueError: bad [model] settings (see engine/launch/preflight.py ``resolve_model_setup``).
+        ValueError: bad [model] settings (see engine/setup/preflight.py ``resolve_model_setup``).
     """
     from engine.config import config_to_toml
-    from engine.train.model_builder import build_model_parts
-    from engine.launch.preflight import resolve_model_setup
+    from engine.setup.model_builder import build_model_parts
+    from engine.setup.preflight import resolve_model_setup
     from models.registry import model_record
 
     folder = os.path.join(cfg.run_folder, cfg.checkpoint.folder)

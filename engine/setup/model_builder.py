@@ -1,12 +1,13 @@
 """The one recipe that builds a rank's model: from ``[model]`` settings to parallelized parts.
 
-Steps: meta model (no memory) → this rank's pipeline stages → the family's parallelize plan with the
-run's settings (TP, EP, CP, AC, compile, FSDP/HSDP/DDP; models/<family>/parallelize.py) →
+Steps: meta model (no memory) → this rank's pipeline stages → the shared parallelize driver
+(parallelisms/parallelize.py: TP, EP, CP, AC, compile, FSDP/HSDP/DDP) with the family's plan
+(models/<family>/parallelize.py) and the run's settings →
 ``to_empty`` on the real device → ``init_weights`` with a layout-independent seed, so every layout
 starts from the same weights. The trainer, the dry run's real plan (engine/planner/real_plan.py, on
-the meta device, nothing allocated) and the seed-checkpoint tool (engine/checkpoint/tools.py, one
+the meta device, nothing allocated) and the seed-checkpoint tool (engine/convert/tools.py, one
 process, no parallelism) all call :func:`build_model_parts`; what they build from (model arguments,
-pipeline plan, batch geometry) is resolved once per process by engine/launch/preflight.py ``check_setup``.
+pipeline plan, batch geometry) is resolved once per process by engine/setup/preflight.py ``check_setup``.
 """
 
 from __future__ import annotations
@@ -52,20 +53,21 @@ def build_model_parts(cfg, spec: ModelSpec, args, *, parallel_dims=None, pp_plan
 
     Args:
         cfg: the ``JobConfig`` (its parallelism, activation_checkpoint, compile and training sections
-            reach the family's plan; ``training.seed`` seeds the weights).
+            reach the parallelize driver; ``training.seed`` seeds the weights).
         spec, args: the family's ``ModelSpec`` and the arguments as trained (``check_setup``).
-        parallel_dims: the ``ParallelDims`` with its mesh built, or None: no parallelize call (one
+        parallel_dims: the ``ParallelDims`` with its mesh built, or None: not parallelized (one
             process, e.g. the seed-checkpoint tool).
         pp_plan: this rank's ``PipelinePlan`` (``SetupPlan.pipeline_plan``), or None for the whole
             model as one part.
         context_parallel: from :func:`build_context_parallel`; global_batch_size: sequences per step;
-            backend: the collective backend ("nccl", "gloo"); all three go to the family's plan.
+            backend: the collective backend ("nccl", "gloo"); all three go to the parallelize driver.
         device: where the parts are allocated and initialized; None leaves them on the meta device.
 
     Returns:
         (parts, nparams, flops_per_token): FLOPs and parameters of the *whole* model, since MFU
         divides by every device that shares a sample (pipeline ranks included).
     """
+    from parallelisms.parallelize import parallelize
     from parallelisms.pipeline import build_stage_module
 
     model = build_meta_model(spec, args)
@@ -76,13 +78,14 @@ def build_model_parts(cfg, spec: ModelSpec, args, *, parallel_dims=None, pp_plan
         last = pp_plan.num_stages - 1
         parts = [build_stage_module(model, pp_plan.stage_layers[s], s == 0, s == last) for s in pp_plan.local_stages]
         del model
-    plan = load_ref(spec.parallelize_fn) if parallel_dims is not None else None
+    plan = load_ref(spec.parallelize_plan) if parallel_dims is not None else None
     t = cfg.training
     for part in parts:
         if plan is not None:
-            plan(part, parallel_dims, parallelism_cfg=cfg.parallelism, ac_cfg=cfg.activation_checkpoint,
-                 compile_cfg=cfg.compile, param_dtype=t.mixed_precision_param, reduce_dtype=t.mixed_precision_reduce,
-                 context_parallel=context_parallel, global_batch_size=global_batch_size, backend=backend)
+            parallelize(part, parallel_dims, plan, parallelism_cfg=cfg.parallelism, ac_cfg=cfg.activation_checkpoint,
+                        compile_cfg=cfg.compile, param_dtype=t.mixed_precision_param,
+                        reduce_dtype=t.mixed_precision_reduce, context_parallel=context_parallel,
+                        global_batch_size=global_batch_size, backend=backend)
         if device is not None:
             materialize(part, device, t.seed)
     return parts, nparams, flops_per_token

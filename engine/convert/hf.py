@@ -9,7 +9,7 @@
   ``config.json`` and ``generation_config.json`` for ``transformers.AutoModelForCausalLM``.
 
 Names and layouts map through the family's adapter (models/<family>/hf.py, found by
-engine/checkpoint/hf_adapter.py).
+engine/convert/hf_adapter.py).
 
 Memory: import reads one tensor at a time from the memory-mapped safetensors files and DCP writes
 each into its own file before the next is made (an 8B model never sits in memory). Export holds
@@ -28,9 +28,9 @@ import torch.distributed.checkpoint as dcp
 
 from engine.checkpoint import files
 from engine.checkpoint.files import CheckpointError
-from engine.checkpoint.hf_adapter import args_from_hf_config, generation_config, hf_config_from_args, weight_rules
+from engine.convert.hf_adapter import args_from_hf_config, generation_config, hf_config_from_args, weight_rules
 from engine.checkpoint.state import MODEL_KEY, quiet_single_process, saved_model_keys
-from engine.checkpoint.tools import DTYPES, check_intact, write_model_only
+from engine.convert.tools import DTYPES, check_intact, write_model_only
 
 __all__ = ["import_hf_model", "export_hf_model", "TOKENIZER_FILES"]
 
@@ -41,7 +41,7 @@ INDEX = "model.safetensors.index.json"
 
 def _expected_shapes(name: str, args) -> dict[str, tuple[int, ...]]:
     """{FQN: shape} of the model's state dict, from a meta-device model (no memory)."""
-    from engine.train.model_builder import build_meta_model
+    from engine.setup.model_builder import build_meta_model
     from models.registry import get_model_spec
 
     model = build_meta_model(get_model_spec(name), args)
