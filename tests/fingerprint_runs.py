@@ -85,7 +85,7 @@ def _params(trainer) -> dict:
     """{unwrapped name: full tensor} of this rank's parameters (every rank takes part in the gathers)."""
     from torch.distributed.tensor import DTensor
 
-    from engine.parity.record import clean_name
+    from engine.observe.record import clean_name
 
     out = {}
     for part in trainer.model_parts:
