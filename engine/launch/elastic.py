@@ -94,7 +94,7 @@ class Recovery:
         self.hang = None
         if HANG_EXIT in codes.values():
             self.hang = hang_line(self.run_folder, attempt, world_size, self.hang_timeout_s)
-            self.last_cause = self.hang.removeprefix("quadra: ")
+            self.last_cause = "a " + self.hang.removeprefix("quadra: ")
         else:
             self.last_cause = failure_cause(codes, messages)
         curable = not incurable(messages) and not self.stop_requested()

@@ -82,8 +82,10 @@ class HangWatchdog:
         while not self._stop.wait(poll):
             idle = time.monotonic() - self._last
             if idle > self.timeout_s:
-                self._report(idle)
-                self._exit(HANG_EXIT)
+                try:
+                    self._report(idle)
+                finally:  # the attempt ends even when the record cannot be written
+                    self._exit(HANG_EXIT)
                 return
 
     def _report(self, idle: float) -> None:
@@ -109,7 +111,8 @@ def _flight_recorder() -> str | None:
     try:
         from torch._C._distributed_c10d import _dump_fr_trace_json
 
-        return _dump_fr_trace_json()
+        trace = _dump_fr_trace_json()
+        return trace.decode() if isinstance(trace, bytes) else trace
     except Exception as error:  # noqa: BLE001 - a missing record must not prevent the stack dump
         logger.debug("no Flight Recorder record: %s", error)
         return None
