@@ -17,8 +17,8 @@ runs while its main thread sleeps or waits). The launcher (engine/launch/elastic
 records with :func:`missing_ranks`: per process group, the ranks whose newest collective sequence
 number is below the others' never entered the collective the others wait in.
 
-:func:`test_hook` is the test suite's real hang: ``QUADRA_TEST_HANG=R:S`` makes rank R sleep at step S
-of the first attempt instead of entering the step's first collective.
+:func:`test_hook` holds the test suite's real faults (``QUADRA_TEST_FAULT``): a rank that sleeps instead
+of entering the step's first collective, a rank or a node killed at a given step.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import glob
 import json
 import logging
 import os
+import signal
 import threading
 import time
 
@@ -157,11 +158,18 @@ def missing_ranks(folder: str) -> tuple[list[int], str, list[int]] | None:
 
 
 def test_hook(step: int, rank: int) -> None:
-    """The test suite's hang: with ``QUADRA_TEST_HANG=R:S`` rank R sleeps at step S of attempt 0
-    (a restarted attempt runs on), before the step's first collective. No-op otherwise."""
-    spec = os.environ.get("QUADRA_TEST_HANG")
+    """The test suite's real faults, in attempt 0 only (a restarted attempt runs on), at the start of
+    a step, before its first collective. ``QUADRA_TEST_FAULT=KIND:RANK:STEP`` (RANK ``any``: every
+    rank of this node): ``hang`` sleeps, ``kill`` SIGKILLs the rank, ``kill_node`` SIGKILLs the rank's
+    launcher (the node is gone for good; its ranks follow it). No-op otherwise."""
+    spec = os.environ.get("QUADRA_TEST_FAULT")
     if not spec or attempt_number() != 0:
         return
-    hang_rank, hang_step = (int(part) for part in spec.split(":"))
-    if (rank, step) == (hang_rank, hang_step):
+    kind, fault_rank, fault_step = spec.split(":")
+    if int(fault_step) != step or fault_rank not in ("any", str(rank)):
+        return
+    if kind == "hang":
         time.sleep(24 * 3600)
+    elif kind in ("kill", "kill_node"):
+        os.kill(os.getppid() if kind == "kill_node" else os.getpid(), signal.SIGKILL)
+        time.sleep(60)  # the signal ends this process (kill_node: through die_with_parent)

@@ -73,7 +73,7 @@ class RunRecovery:
             self.watchdog.beat(step)
         if self.ledger is not None:
             self.ledger.step_started()
-        test_hook(step, self.rank)  # QUADRA_TEST_HANG only: sleep instead of the step's collectives
+        test_hook(step, self.rank)  # QUADRA_TEST_FAULT only: the tests' hang, killed rank or node
 
     def step_done(self, step: int, seconds: float) -> None:
         if self.watchdog is not None:
