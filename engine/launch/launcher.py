@@ -1,6 +1,6 @@
 """``python -m engine.launch [--section.key value ...]``: pre-flight, then torchrun, as a user expects.
 
-``run_train.sh`` execs this module. It adds three things around torchrun (``torch.distributed.run``,
+``run_train.sh`` execs this module. It adds four things around torchrun (``torch.distributed.run``,
 which still starts, watches and stops the ranks):
 
 1. **Pre-flight.** The config is loaded and checked once, before any rank starts: first the config
@@ -17,7 +17,13 @@ which still starts, watches and stops the ranks):
    kills the ranks at once (SIGKILL) and exits 130: the newest complete checkpoint stays, since a
    save only becomes visible when it is complete (engine/checkpoint/files.py).
 
-Environment: ``NGPU`` (processes on this node; default: visible GPUs, else 2), ``NNODES`` (default 1),
+4. **Restarts, hangs, shrinking.** torchrun runs with Quadra's agent (engine/launch/elastic.py):
+   ``MAX_RESTARTS`` restarts a failed attempt unless a rank gave a reason a restart cannot cure, a
+   hang is named from the ranks' records, and ``NNODES=MIN:MAX`` (c10d rendezvous) lets the group go
+   on with the nodes that are left; the pre-flight then checks every node count of the range.
+
+Environment: ``NGPU`` (processes on this node; default: visible GPUs, else 2), ``NNODES`` (default 1;
+``MIN:MAX``: elastic, with ``RDZV_ID`` and ``RDZV_CONF``), ``MAX_RESTARTS`` (default 0),
 ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` (rendezvous when ``NNODES > 1``: torchrun's static
 rendezvous, so node ``NODE_RANK`` holds ranks ``NODE_RANK × NGPU ...``), ``LOG_RANKS`` (local ranks whose
 output is shown), ``OMP_NUM_THREADS`` (default: cores / NGPU).

@@ -54,7 +54,8 @@ class RunRecovery:
         if restart is not None:
             resumed = f"resumed from checkpoint step-{step}" if step else "started again from step 0 (no checkpoint)"
             again = self.ledger.retrained_range()
-            again = f"; steps {again[0]}-{again[1]} are trained again" if again else ""
+            again = "" if not again else (f"; step {again[0]} is trained again" if again[0] == again[1]
+                                          else f"; steps {again[0]}-{again[1]} are trained again")
             logger.warning("quadra: restart %d of %s after %s: %s%s", self.attempt, restart.get("max_restarts", "?"),
                            restart["cause"], resumed, again)
         marker = getattr(self.trainer.checkpointer, "loaded_marker", None) or {}
