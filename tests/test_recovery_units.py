@@ -84,3 +84,25 @@ def test_an_elastic_range_needs_a_degree_that_absorbs_it(dp_shard, refused, monk
             "gone, or NNODES=2"], err
     else:
         assert status == 0, err
+
+
+def test_the_watchdog_writes_the_stacks_and_ends_a_rank_without_progress(tmp_path):
+    import threading
+    import time
+
+    from engine.train.hang import HANG_EXIT, HangWatchdog, hang_folder
+
+    ended = threading.Event()
+    codes = []
+    watchdog = HangWatchdog(0.3, str(tmp_path), rank=3, exit=lambda code: (codes.append(code), ended.set()))
+    for step in range(1, 6):  # beats keep it quiet
+        watchdog.beat(step)
+        time.sleep(0.1)
+    assert not ended.is_set()
+    assert ended.wait(5), "the watchdog did not fire"
+    assert codes == [HANG_EXIT]
+    text = (tmp_path / "hangs" / "attempt-0" / "rank-3.txt").read_text()
+    assert hang_folder(str(tmp_path), 0) == str(tmp_path / "hangs" / "attempt-0")
+    assert text.startswith("rank 3: no progress for") and " in step 5 " in text
+    assert "in test_the_watchdog_writes_the_stacks" in text  # the main thread's stack, not only its own
+    watchdog.close()
