@@ -77,6 +77,7 @@ class RunRecovery:
         test_hook(step, self.rank)  # QUADRA_TEST_FAULT only: the tests' hang, killed rank or node
 
     def step_done(self, step: int, seconds: float) -> None:
+        """Step ``step`` is done after ``seconds`` (wall seconds of the step itself)."""
         if self.watchdog is not None:
             self.watchdog.beat(step)
         if self.ledger is not None:
