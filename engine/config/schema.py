@@ -198,8 +198,9 @@ class CommSection:
                         choices=("auto", "nccl", "gloo"))
     init_timeout_seconds: int = _opt(300, "timeout for process-group init and collectives, seconds (collectives "
                                      "wait at least hang_timeout_seconds + 60, so that the hang watchdog speaks first)")
-    hang_timeout_seconds: int = _opt(600, "a rank that makes no progress (a step, a save, a validation) for this "
-                                     "long ends the attempt as hung, every rank's stack in <run folder>/hangs/; 0: off")
+    hang_timeout_seconds: int = _opt(600, "from the end of the first step, a rank that makes no progress (a step, "
+                                     "a save, a validation) for this long ends the attempt as hung, every rank's "
+                                     "stack in <run folder>/hangs/; 0: off")
 
 
 @dataclass

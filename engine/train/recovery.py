@@ -43,6 +43,7 @@ class RunRecovery:
         self.state_dir = os.environ.get("QUADRA_ERROR_DIR") or None
         self.launch_time = float(os.environ.get("QUADRA_LAUNCH_TIME") or time.time())
         self.watchdog: HangWatchdog | None = None
+        self._training = False
         self.ledger = AttemptLedger(self.state_dir, self.attempt, self.launch_time, trainer.step) if self.rank == 0 else None
         if self.rank == 0:
             self._say_why()
@@ -64,9 +65,9 @@ class RunRecovery:
             logger.warning("quadra: %s", line)
 
     def start(self) -> None:
-        """Training begins: the hang watchdog starts (set-up may take longer than its timeout)."""
-        if self.watchdog is None:
-            self.watchdog = HangWatchdog(self.cfg.comm.hang_timeout_seconds, self.trainer.run_folder, self.rank)
+        """Training begins; the hang watchdog starts at the end of the first step (set-up, and the
+        first step's warm-up and compilation, may take longer than its timeout)."""
+        self._training = True
 
     def step_started(self, step: int) -> None:
         """Step ``step`` begins (before its first collective)."""
@@ -80,6 +81,8 @@ class RunRecovery:
         """Step ``step`` is done after ``seconds`` (wall seconds of the step itself)."""
         if self.watchdog is not None:
             self.watchdog.beat(step)
+        elif self._training:
+            self.watchdog = HangWatchdog(self.cfg.comm.hang_timeout_seconds, self.trainer.run_folder, self.rank)
         if self.ledger is not None:
             self.ledger.step_done(step, seconds)
 
@@ -96,6 +99,7 @@ class RunRecovery:
 
     def stop(self) -> None:
         """Training ended (or failed): the watchdog stops."""
+        self._training = False
         if self.watchdog is not None:
             self.watchdog.close()
             self.watchdog = None
