@@ -53,7 +53,8 @@ def failure_cause(codes: dict[int, int], messages: dict[int, str]) -> str:
         return f"rank {rank} ended with {how_it_ended(died[rank])}"
     if codes:
         rank = min(codes)
-        return f"rank {rank} lost a peer (a rank on another node failed first) and ended with {how_it_ended(codes[rank])}"
+        return (f"rank {rank} lost a peer (a rank on another node failed first) and ended with "
+                f"{how_it_ended(codes[rank])}")
     return "the worker group failed"
 
 

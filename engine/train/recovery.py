@@ -44,7 +44,8 @@ class RunRecovery:
         self.launch_time = float(os.environ.get("QUADRA_LAUNCH_TIME") or time.time())
         self.watchdog: HangWatchdog | None = None
         self._training = False
-        self.ledger = AttemptLedger(self.state_dir, self.attempt, self.launch_time, trainer.step) if self.rank == 0 else None
+        self.ledger = (AttemptLedger(self.state_dir, self.attempt, self.launch_time, trainer.step)
+                       if self.rank == 0 else None)
         if self.rank == 0:
             self._say_why()
 
@@ -138,8 +139,9 @@ def layout_change(marker: dict, trainer) -> str | None:
         return None
     dims = trainer.parallel_dims
     before = marker.get("degrees", {})
-    changed = [f"{name} {getattr(dims, name)} (was {before[name]})" for name in
-               ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep") if name in before and before[name] != getattr(dims, name)]
+    names = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
+    changed = [f"{name} {getattr(dims, name)} (was {before[name]})" for name in names
+               if name in before and before[name] != getattr(dims, name)]
     dp_before = before.get("dp_replicate", 1) * before.get("dp_shard", 1)
     local = trainer.cfg.training.local_batch_size
     accum_before = max(trainer.global_batch_size // max(local * dp_before, 1), 1)
