@@ -2,7 +2,9 @@
 # Train with torchrun. Environment (all optional):
 #   CONFIG_FILE  TOML config            (default: train_configs/debug_model.toml)
 #   NGPU         processes on this node (default: visible GPUs, else 2 CPU processes)
-#   NNODES       nodes                  (default: 1 → torchrun --standalone)
+#   NNODES       nodes                  (default: 1 → torchrun --standalone; MIN:MAX: an elastic range on the
+#                c10d rendezvous at MASTER_ADDR:MASTER_PORT, RDZV_ID, RDZV_CONF; the group shrinks to the nodes left)
+#   MAX_RESTARTS restarts after a failed rank, each from the newest verified checkpoint (default: 0)
 #   NODE_RANK, MASTER_ADDR, MASTER_PORT rendezvous for NNODES > 1 (static: node NODE_RANK holds
 #                ranks NODE_RANK*NGPU .. NODE_RANK*NGPU+NGPU-1)
 #   LOG_RANKS    local ranks whose output is shown, e.g. 0 (default: all)

@@ -43,7 +43,7 @@ parallelism.pp_output_weight
 parallelism.ep parallelism.fsdp_reshard_after_forward parallelism.grad_sync_each_microbatch
 parallelism.sequence_parallel
 parallelism.loss_parallel parallelism.async_tp
-comm.backend comm.init_timeout_seconds
+comm.backend comm.init_timeout_seconds comm.hang_timeout_seconds
 checkpoint.enable checkpoint.folder checkpoint.interval checkpoint.keep_latest_k checkpoint.async_mode
 checkpoint.load_step checkpoint.initial_load_path checkpoint.initial_load_model_only
 metrics.log_freq metrics.enable_tensorboard metrics.save_tb_folder metrics.peak_tflops

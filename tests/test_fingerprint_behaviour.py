@@ -113,6 +113,7 @@ SPECS: dict[str, Spec] = {
     "training.gc_freq": Spec({"training.gc_freq": 1}),
     "training.stop_after_step": Spec({"training.stop_after_step": 2}, family="stop"),
     "comm.init_timeout_seconds": Spec({"comm.init_timeout_seconds": 30}),  # one process: no collective
+    "comm.hang_timeout_seconds": Spec({"comm.hang_timeout_seconds": 0}),  # the watchdog off
     "step_health.max_consecutive_skips": Spec({"step_health.max_consecutive_skips": 1}),
     "checkpoint.enable": Spec(CKPT),
     "checkpoint.folder": Spec({**CKPT, "checkpoint.folder": "elsewhere"}),

@@ -143,6 +143,7 @@ class LoadingMixin:
         self._log_once("resumed from %s in %.1f s (verified in %.2f s): step %d, %d tokens seen", candidate.path,
                        seconds, verified, self.trainer.step, self.trainer.tokens_seen)
         self._log_changed_settings(candidate.marker or {})
+        self.loaded_marker = candidate.marker or {}  # its layout (engine/train/recovery.py compares it)
         self.last_saved_step = self.trainer.step  # do not save the same step again
 
     def _verify(self, candidate: Candidate) -> str | None:

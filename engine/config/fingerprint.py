@@ -62,7 +62,7 @@ _CLASSES: dict[str, dict[str, tuple[str, ...]]] = {
             "pp_input_weight", "pp_output_weight", "ep", "fsdp_reshard_after_forward",
             "grad_sync_each_microbatch", "sequence_parallel", "loss_parallel", "async_tp",
         ),
-        "comm": ("backend", "init_timeout_seconds"),
+        "comm": ("backend", "init_timeout_seconds", "hang_timeout_seconds"),
         # When to give up: changes no update a run applies, only whether it goes on.
         "step_health": ("max_consecutive_skips",),
         "checkpoint": ("enable", "folder", "interval", "keep_latest_k", "async_mode", "load_step"),

@@ -196,7 +196,11 @@ class CommSection:
 
     backend: str = _opt("auto", "auto|nccl|gloo (auto: nccl on CUDA, gloo on CPU)",
                         choices=("auto", "nccl", "gloo"))
-    init_timeout_seconds: int = _opt(300, "timeout for process-group init and collectives, seconds")
+    init_timeout_seconds: int = _opt(300, "timeout for process-group init and collectives, seconds (collectives "
+                                     "wait at least hang_timeout_seconds + 60, so that the hang watchdog speaks first)")
+    hang_timeout_seconds: int = _opt(600, "from the end of the first step, a rank that makes no progress (a step, "
+                                     "a save, a validation) for this long ends the attempt as hung, every rank's "
+                                     "stack in <run folder>/hangs/; 0: off")
 
 
 @dataclass

@@ -53,6 +53,8 @@ def range_problems(cfg) -> list[str]:
          "must be -1 (the rest of the world size) or >= 1"),
         (cfg.comm.init_timeout_seconds <= 0, "comm.init_timeout_seconds",
          cfg.comm.init_timeout_seconds, "must be > 0 seconds"),
+        (cfg.comm.hang_timeout_seconds < 0, "comm.hang_timeout_seconds", cfg.comm.hang_timeout_seconds,
+         "must be >= 0 seconds (0: no hang watchdog; e.g. 600)"),
         (cfg.metrics.log_freq <= 0, "metrics.log_freq", cfg.metrics.log_freq, "must be > 0 steps"),
         (cfg.metrics.peak_tflops < 0, "metrics.peak_tflops", cfg.metrics.peak_tflops,
          "must be >= 0 (0: look up the GPU)"),

@@ -1,6 +1,6 @@
 """``python -m engine.launch [--section.key value ...]``: pre-flight, then torchrun, as a user expects.
 
-``run_train.sh`` execs this module. It adds three things around torchrun (``torch.distributed.run``,
+``run_train.sh`` execs this module. It adds four things around torchrun (``torch.distributed.run``,
 which still starts, watches and stops the ranks):
 
 1. **Pre-flight.** The config is loaded and checked once, before any rank starts: first the config
@@ -17,7 +17,13 @@ which still starts, watches and stops the ranks):
    kills the ranks at once (SIGKILL) and exits 130: the newest complete checkpoint stays, since a
    save only becomes visible when it is complete (engine/checkpoint/files.py).
 
-Environment: ``NGPU`` (processes on this node; default: visible GPUs, else 2), ``NNODES`` (default 1),
+4. **Restarts, hangs, shrinking.** torchrun runs with Quadra's agent (engine/launch/elastic.py):
+   ``MAX_RESTARTS`` restarts a failed attempt unless a rank gave a reason a restart cannot cure, a
+   hang is named from the ranks' records, and ``NNODES=MIN:MAX`` (c10d rendezvous) lets the group go
+   on with the nodes that are left; the pre-flight then checks every node count of the range.
+
+Environment: ``NGPU`` (processes on this node; default: visible GPUs, else 2), ``NNODES`` (default 1;
+``MIN:MAX``: elastic, with ``RDZV_ID`` and ``RDZV_CONF``), ``MAX_RESTARTS`` (default 0),
 ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` (rendezvous when ``NNODES > 1``: torchrun's static
 rendezvous, so node ``NODE_RANK`` holds ranks ``NODE_RANK × NGPU ...``), ``LOG_RANKS`` (local ranks whose
 output is shown), ``OMP_NUM_THREADS`` (default: cores / NGPU).
@@ -31,6 +37,9 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
+
+from engine.launch.failures import PEER_FAILURE  # what a rank says when a collective lost a peer
 
 ABORT_EXIT = 130  # 128 + SIGINT, the shell's convention for a run interrupted by Ctrl-C
 
@@ -47,10 +56,23 @@ def _env_int(name: str, default: int | None) -> int | None:
         number = int(value)
     except ValueError:
         number = 0
-    if number < (0 if name == "NODE_RANK" else 1):
-        raise _LaunchError(f"{name}={value!r} must be a {'non-negative' if name == 'NODE_RANK' else 'positive'} "
+    zero_ok = name in ("NODE_RANK", "MAX_RESTARTS")
+    if number < (0 if zero_ok else 1) or not value.strip().lstrip("-").isdigit():
+        raise _LaunchError(f"{name}={value!r} must be a {'non-negative' if zero_ok else 'positive'} "
                            f"integer; set {name} to a number or leave it unset")
     return number
+
+
+def _nnodes() -> tuple[int, int]:
+    """``NNODES`` as (min, max) nodes: ``N`` is (N, N), ``MIN:MAX`` torchrun's elastic range."""
+    value = os.environ.get("NNODES", "")
+    if ":" not in value:
+        n = _env_int("NNODES", 1)
+        return n, n
+    low, _, high = value.partition(":")
+    if not (low.isdigit() and high.isdigit()) or not 1 <= int(low) <= int(high):
+        raise _LaunchError(f"NNODES={value!r} must be N or MIN:MAX with 1 <= MIN <= MAX, e.g. NNODES=2:4")
+    return int(low), int(high)
 
 
 class _LaunchError(Exception):
@@ -71,20 +93,34 @@ def _nproc_per_node(gpus: int) -> int:
     return ngpu if ngpu is not None else (gpus or 2)
 
 
-def torchrun_args(nproc: int, nnodes: int, entry: list[str]) -> list[str]:
+def torchrun_args(nproc: int, nnodes: int | tuple[int, int], entry: list[str], max_restarts: int = 0) -> list[str]:
     """torchrun's command line for this node (see the module docstring for the environment).
 
     Single node: ``--standalone`` (a private rendezvous on a free port). Several nodes: the static
     rendezvous on ``MASTER_ADDR:MASTER_PORT`` with ``--node-rank=NODE_RANK``, so global ranks follow
     the node ranks the user gave (torchrun's c10d rendezvous would rank nodes by arrival and ignore
-    ``NODE_RANK``).
+    ``NODE_RANK``). ``nnodes`` = (MIN, MAX) with MIN < MAX: torchrun's c10d rendezvous, hosted on
+    ``MASTER_ADDR:MASTER_PORT`` by that node's agent, run id ``RDZV_ID`` (default "quadra"),
+    ``RDZV_CONF`` passed as ``--rdzv-conf`` (e.g. ``last_call_timeout=10``). ``max_restarts``:
+    torchrun's ``--max-restarts``.
 
     Raises:
         _LaunchError: ``NNODES > 1`` without ``MASTER_ADDR`` or ``NODE_RANK``, or a ``NODE_RANK``
-            outside [0, NNODES).
+            outside [0, NNODES); ``NNODES=MIN:MAX`` without ``MASTER_ADDR``.
     """
     signals = "--signals-to-handle=SIGHUP,SIGQUIT"  # TERM, USR1 and INT are ours (see _Signals)
-    if nnodes == 1:
+    low, nnodes = (nnodes, nnodes) if isinstance(nnodes, int) else nnodes
+    if low < nnodes:
+        addr = os.environ.get("MASTER_ADDR", "")
+        if not addr:
+            raise _LaunchError(f"NNODES={low}:{nnodes} needs MASTER_ADDR (the address of the node that hosts the "
+                               "rendezvous, and must stay up); set it on every node")
+        launch = [f"--nnodes={low}:{nnodes}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+                  f"--rdzv-endpoint={addr}:{_env_int('MASTER_PORT', 29500)}",
+                  f"--rdzv-id={os.environ.get('RDZV_ID') or 'quadra'}"]
+        if os.environ.get("RDZV_CONF"):
+            launch.append(f"--rdzv-conf={os.environ['RDZV_CONF']}")
+    elif nnodes == 1:
         launch = ["--standalone", "--nnodes=1", f"--nproc-per-node={nproc}"]
     else:
         addr = os.environ.get("MASTER_ADDR", "")
@@ -99,7 +135,7 @@ def torchrun_args(nproc: int, nnodes: int, entry: list[str]) -> list[str]:
                   "--rdzv-backend=static", f"--master-addr={addr}", f"--master-port={port}"]
     if os.environ.get("LOG_RANKS"):
         launch.append(f"--local-ranks-filter={os.environ['LOG_RANKS']}")
-    return [*launch, signals, *entry]
+    return [*launch, f"--max-restarts={max_restarts}", signals, *entry]
 
 
 class _Signals:
@@ -147,7 +183,6 @@ def _kill_children(signum: int) -> None:
                 pass
 
 
-PEER_FAILURE = "stopped: another rank went away"  # what a rank reports when a collective lost a peer
 
 
 def _summarize_failure(error, error_dir: str, signals: _Signals) -> int:
@@ -193,6 +228,7 @@ def _summarize_failure(error, error_dir: str, signals: _Signals) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Pre-flight, launch and wait; returns the exit status (see the module docstring)."""
+    launch_time = time.time()
     argv = sys.argv[1:] if argv is None else argv
     argv = [token for arg in argv for token in (["--job.dry_run", "true"] if arg == "--dry_run" else [arg])]
     from engine.config import ConfigError, load_config
@@ -200,30 +236,41 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv)
         cfg.validate()
-        nnodes = _env_int("NNODES", 1)
+        nodes = _nnodes()
+        max_restarts = _env_int("MAX_RESTARTS", 0)
         gpus = _gpus_visible()
         nproc = _nproc_per_node(gpus)
         if cfg.job.dry_run:  # one process, no rendezvous: NNODES needs no MASTER_ADDR here
             from engine.launch.dry_run import dry_run
 
-            return dry_run(cfg, nproc * nnodes, gpus_per_node=nproc)
+            return dry_run(cfg, nproc * nodes[1], gpus_per_node=nproc)
         if not os.environ.get("OMP_NUM_THREADS"):  # processes share the cores: one share each
             os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
         entry = ["-m", "engine.train", *argv]
-        torchrun_argv = torchrun_args(nproc, nnodes, entry)
+        torchrun_argv = torchrun_args(nproc, nodes, entry, max_restarts)
     except ConfigError as error:
         _say(f"config error: {error}")
         return 2
     except _LaunchError as error:
         _say(f"launch error: {error}")
         return 2
+    status = _preflight(cfg, nproc, nodes, gpus)
+    if status:
+        return status
+    return _launch(cfg, torchrun_argv, max_restarts, launch_time)
 
+
+def _preflight(cfg, nproc: int, nodes: tuple[int, int], gpus: int) -> int:
+    """The checks the world size decides (every world size ``NNODES=MIN:MAX`` allows); -> 0 or 2."""
     from engine.setup.preflight import check_setup, hardware_warnings
 
+    low, nnodes = nodes
     world_size = nproc * nnodes
     device_type = cfg.job.device if cfg.job.device != "auto" else ("cuda" if gpus else "cpu")
     try:
         setup = check_setup(cfg, world_size, device_type)
+        if low < nnodes:
+            _check_shrinkable(cfg, nproc, nodes, device_type, check_setup)
     except (ValueError, FileNotFoundError) as error:
         _say(f"set-up error: {error}")
         return 2
@@ -235,23 +282,61 @@ def main(argv: list[str] | None = None) -> int:
         warning = fit_warning(cfg, world_size, gpus_per_node=nproc, setup=setup)
         if warning:
             _say(f"warning: {warning}")
+    return 0
 
+
+def _check_shrinkable(cfg, nproc: int, nodes: tuple[int, int], device_type: str, check_setup) -> None:
+    """``NNODES=MIN:MAX``: a degree must absorb a change of world size (``dp_shard = -1``), and every
+    node count in the range must give a valid layout.
+
+    Raises:
+        ValueError: every degree fixed, or a node count whose world size the layout rules refuse.
+    """
+    low, high = nodes
+    if cfg.parallelism.dp_shard != -1:
+        raise ValueError(
+            f"NNODES={low}:{high} lets the group shrink to {low} node{'s' * (low > 1)}, but every degree is fixed "
+            f"(parallelism.dp_shard = {cfg.parallelism.dp_shard}): set parallelism.dp_shard = -1 so that it "
+            f"absorbs the nodes that are gone, or NNODES={high}")
+    for count in range(low, high):
+        try:
+            check_setup(cfg, nproc * count, device_type, check_data=False)
+        except ValueError as error:
+            raise ValueError(f"NNODES={low}:{high}: on {count} node{'s' * (count > 1)} (world_size "
+                             f"{nproc * count}) {error}") from None
+
+
+def _launch(cfg, torchrun_argv: list[str], max_restarts: int, launch_time: float) -> int:
+    """torchrun with Quadra's agent (engine/launch/elastic.py); -> the exit status."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+
+    from engine.launch.elastic import Recovery, run_elastic
+    from engine.observe.goodput import append_failed_launch
+    from engine.observe.hang import FR_BUFFER
 
     traceback = bool(os.environ.get("QUADRA_TRACEBACK"))
     if not traceback:  # torchrun logs each failed rank at ERROR level; we print the reason instead
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     error_dir = tempfile.mkdtemp(prefix="quadra-errors-")
-    os.environ["QUADRA_ERROR_DIR"] = error_dir
+    os.environ.update(QUADRA_ERROR_DIR=error_dir, QUADRA_LAUNCH_TIME=repr(launch_time),
+                      QUADRA_MAX_RESTARTS=str(max_restarts))
     os.environ["QUADRA_LAUNCHER"] = "1"  # ranks: warnings were printed here; Ctrl-C is counted here
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FR_BUFFER)  # Flight Recorder: the hang report reads it
     signals = _Signals()
+    recovery = Recovery(error_dir, cfg.run_folder, max_restarts, cfg.comm.hang_timeout_seconds,
+                        stop_requested=lambda: signals.received is not None)
     try:
-        run(get_args_parser().parse_args(torchrun_argv))
+        run_elastic(torchrun_argv, recovery)
         return 0
     except ChildFailedError as error:
         if traceback:
             raise
-        return _summarize_failure(error, error_dir, signals)
+        if recovery.hang and signals.interrupts < 2:
+            _say(recovery.hang)
+            status = 1
+        else:
+            status = _summarize_failure(error, error_dir, signals)
+        append_failed_launch(error_dir, cfg.run_folder, launch_time)  # the goodput ledger of the launch
+        return status
     finally:
         shutil.rmtree(error_dir, ignore_errors=True)

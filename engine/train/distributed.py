@@ -78,7 +78,8 @@ def resolve_backend(backend_setting: str, device: torch.device) -> str:
     return backend_setting
 
 
-def init_distributed(device_setting: str, backend_setting: str, timeout_seconds: int) -> DistInfo:
+def init_distributed(device_setting: str, backend_setting: str, timeout_seconds: int,
+                     hang_timeout_seconds: int = 0) -> DistInfo:
     """Pick the device and, under torchrun, initialize the default process group.
 
     Args:
@@ -86,7 +87,11 @@ def init_distributed(device_setting: str, backend_setting: str, timeout_seconds:
         backend_setting: ``comm.backend``.
         timeout_seconds: collective timeout (seconds): a rank that never arrives fails the run
             instead of hanging it.
+        hang_timeout_seconds: ``comm.hang_timeout_seconds`` (> 0: collectives wait at least this
+            + 60 s, so that the hang watchdog, engine/observe/hang.py, reports first).
     """
+    if hang_timeout_seconds > 0:
+        timeout_seconds = max(timeout_seconds, hang_timeout_seconds + 60)
     rank, local_rank, world_size = env_world()
     device = resolve_device(device_setting, local_rank)
     backend = resolve_backend(backend_setting, device)
@@ -99,8 +104,27 @@ def init_distributed(device_setting: str, backend_setting: str, timeout_seconds:
             backend=backend,
             timeout=timedelta(seconds=timeout_seconds),
             device_id=device if device.type == "cuda" else None,
+            **_attempt_store(rank, world_size, timeout_seconds),
         )
     return DistInfo(rank, local_rank, world_size, device, backend)
+
+
+def _attempt_store(rank: int, world_size: int, timeout_seconds: int) -> dict:
+    """Under torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE``), the store keys of this attempt.
+
+    The agent's TCPStore outlives a restart, and ``init_process_group``'s env:// rendezvous uses it
+    without a per-attempt prefix (torch 2.13 assumes a new store per retry): the ranks of a restarted
+    attempt would read the addresses of the dead attempt's ranks and never connect (seen with gloo).
+    A ``PrefixStore`` named by the attempt (``TORCHELASTIC_RESTART_COUNT``) and the world size (a
+    group that re-forms with other nodes) keeps each attempt's keys apart. {} elsewhere: the default
+    env:// rendezvous."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=False, timeout=timedelta(seconds=timeout_seconds))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"quadra/attempt-{attempt}/world-{world_size}", store),
+            "rank": rank, "world_size": world_size}
 
 
 def shutdown_distributed(clean: bool = True) -> None:

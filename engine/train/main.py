@@ -92,6 +92,9 @@ def _build_and_train(cfg, rank: int, trainer_cls, diverged_error) -> int:
     try:
         trainer.train()
         ranks_alive = True
+        # The goodput ledger of the launch (engine/train/recovery.py), rank 0.
+        goodput = trainer.recovery.finish(trainer.metrics, f"stopped by {trainer.stopped_by}" if trainer.stopped_by
+                                          else "completed")
     except diverged_error as error:
         ranks_alive = True
         return _fail(rank, "training stopped", error, 1)
@@ -113,6 +116,6 @@ def _build_and_train(cfg, rank: int, trainer_cls, diverged_error) -> int:
             logger.info("received %s: %s, exiting", trainer.stopped_by, done)
         return 0
     if rank == 0:
-        logger.info("training finished after %d steps (%s); run folder: %s", trainer.step,
-                    trainer.step_health.summary(), trainer.run_folder)
+        logger.info("training finished after %d steps (%s)%s; run folder: %s", trainer.step,
+                    trainer.step_health.summary(), f"; {goodput}" if goodput else "", trainer.run_folder)
     return 0

@@ -41,6 +41,7 @@ from engine.train.signals import StopRequest
 from engine.train.after_step import after_step_message
 from engine.train.capsule import capsule_path, write_capsule
 from engine.train.step_health import StepHealth, advance_lr_schedule
+from engine.train.recovery import RunRecovery
 from parallelisms.comm_counter import group_names_by_mesh_dim
 from parallelisms.grad_norm import clip_grad_norm_
 from engine.observe.record import StepRecorder
@@ -78,7 +79,8 @@ class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         self.run_folder = cfg.run_folder
-        self.dist = init_distributed(cfg.job.device, cfg.comm.backend, cfg.comm.init_timeout_seconds)
+        comm = cfg.comm
+        self.dist = init_distributed(cfg.job.device, comm.backend, comm.init_timeout_seconds, comm.hang_timeout_seconds)
         self.device = self.dist.device
         # The launcher's pre-flight rules once more, for ranks started some other way.
         setup = check_setup(cfg, self.dist.world_size, self.device.type, check_data=False)
@@ -119,6 +121,7 @@ class Trainer:
         self.stop_saved = False
         self.checkpointer = self._build_checkpointer()
         self.checkpointer.load()  # continue where an earlier run of this folder stopped, if it saved
+        self.recovery = RunRecovery(cfg, self)  # says why this attempt runs and from where; the ledger
         self.metrics.run_info = {"fingerprint": self.fingerprint}
         if self.checkpointer.fingerprint_change:
             self.metrics.run_info["fingerprint_change"] = self.checkpointer.fingerprint_change
@@ -319,7 +322,9 @@ class Trainer:
             gc.disable()  # collect at fixed steps so ranks do not stall each other at random times
         try:
             self.stopped_by = self.stop_request.agreed()  # a signal during set-up: train no step
+            self.recovery.start()
             while self.step < last and not self.stopped_by:
+                self.recovery.step_started(self.step + 1)
                 start = time.perf_counter()
                 self.profiler.step_begin(self.step + 1)
                 try:
@@ -328,6 +333,7 @@ class Trainer:
                     self.profiler.dump_memory_snapshot(self.step + 1)
                     raise
                 record["step_seconds"] = time.perf_counter() - start
+                self.recovery.step_done(self.step, record["step_seconds"])
                 self.profiler.step_end(self.step)
                 record["step"] = self.step
                 self.tokens_seen += record["global_tokens"]
@@ -337,9 +343,10 @@ class Trainer:
                 final = self.step == self.cfg.training.steps
                 try:
                     self._after_step_phase = "checkpoint save"
-                    self.checkpointer.maybe_save(self.step, final=final)
-                    if final:
-                        self.checkpointer.wait()  # the last step is complete on disk before validation
+                    with self.recovery.checkpointing():
+                        self.checkpointer.maybe_save(self.step, final=final)
+                        if final:
+                            self.checkpointer.wait()  # the last step is complete on disk before validation
                     self._after_step(record, last)
                 except Exception as error:
                     if is_peer_failure(error):
@@ -349,9 +356,11 @@ class Trainer:
                         self.checkpointer.folder if self.cfg.checkpoint.enable else None)) from error
                 self.stopped_by = self.stop_request.agreed()
                 if self.stopped_by and self.cfg.checkpoint.enable:  # every rank agrees: save together
-                    self.checkpointer.save(self.step, wait=True)
+                    with self.recovery.checkpointing():
+                        self.checkpointer.save(self.step, wait=True)
                     self.stop_saved = True
         finally:
+            self.recovery.stop()
             if gc_freq > 0:
                 gc.enable()
         return list(self.history)

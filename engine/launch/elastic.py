@@ -1,0 +1,152 @@
+"""Restarts and hang reports on torchrun's own elastic agent (torch.distributed.elastic).
+
+torchrun's ``LocalElasticAgent`` starts the ranks of this node, watches them and, with
+``--max-restarts=N``, stops the survivors of a failed attempt and starts the whole group again, up to
+N times, after a new rendezvous (with ``--nnodes=MIN:MAX`` and the c10d rendezvous the group re-forms
+with the nodes that are left). Quadra adds, in :class:`QuadraAgent` (a subclass of it, the extension
+point torchelastic documents: "Customization", docs.pytorch.org/docs/stable/elastic/customization.html):
+
+- **incurable failures are not retried.** A rank that knows why it failed writes its one-line reason
+  to ``$QUADRA_ERROR_DIR/rank<N>.err`` (engine/train/main.py: a refused config, a damaged
+  checkpoint with no earlier one, a non-finite loss under ``stop``, a checkpoint folder that cannot
+  be written). A restart would fail the same way, so the agent then spends no restart: it sets its
+  remaining restarts to 0 and torchrun ends the job as without restarts. Deaths without a reason (a
+  signal, a crash, a lost peer, a hang) are retried while restarts remain.
+- **each attempt is told why it runs.** Before a restart the agent writes ``restart-<K>.json``
+  (attempt K, the failed rank and how it ended, the time) to the same folder; rank 0 of attempt K
+  says it in one line together with the step it resumed from (engine/train/recovery.py), and the
+  goodput ledger reads the times (engine/observe/goodput.py).
+- **hangs are named.** A rank whose watchdog fired (engine/observe/hang.py) exits with
+  :data:`HANG_EXIT` after writing its stack and torch's Flight Recorder record to
+  ``<run folder>/hangs/attempt-K/``; the agent waits for every rank's record and names the ranks that
+  never entered the collective the others waited in (:func:`hang_line`).
+
+torchrun builds its agent inside ``torch.distributed.launcher.api.launch_agent``; :func:`run_elastic`
+lets that function build a :class:`QuadraAgent` instead, and keeps everything else of torchrun
+(rendezvous, ``TORCHELASTIC_RESTART_COUNT``, signals, log handling).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import time
+
+import torch.distributed.launcher.api as launcher_api
+from torch.distributed.elastic.agent.server.api import WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+from engine.launch.failures import failure_cause, incurable, read_reasons
+from engine.observe.hang import HANG_EXIT, hang_folder, missing_ranks
+
+HANG_WAIT_S = 15.0  # how long the agent waits for every rank's hang record once one rank reported
+
+
+def hang_line(run_folder: str, attempt: int, world_size: int, timeout_s: float) -> str:
+    """The one line of a hang: who waited, in which collective, who never came, where the stacks are.
+
+    Waits up to :data:`HANG_WAIT_S` for the records of all ``world_size`` ranks (their watchdogs
+    fire within a poll interval of each other)."""
+    folder = hang_folder(run_folder, attempt)
+    deadline = time.monotonic() + HANG_WAIT_S
+    while len(glob.glob(os.path.join(folder, "rank-*.txt"))) < world_size and time.monotonic() < deadline:
+        time.sleep(0.2)
+    verdict = missing_ranks(folder)
+    where = f"every rank's stack is in {folder}"
+    if verdict is None:
+        return f"quadra: hang: no rank progressed for {timeout_s:g} s (comm.hang_timeout_seconds); {where}"
+    waiting, collective, missing = verdict
+    return (f"quadra: hang: rank {_ranks(waiting)} waited over {timeout_s:g} s (comm.hang_timeout_seconds) in "
+            f"{collective}, which rank {_ranks(missing)} never entered; {where}")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ",".join(map(str, ranks))
+
+
+class Recovery:
+    """What the agent and the launcher share about one launch: the folders, the restart budget and
+    the cause of the last failure (``last_cause``; ``hang``: it was a hang, one line to print)."""
+
+    def __init__(self, error_dir: str, run_folder: str, max_restarts: int, hang_timeout_s: float,
+                 stop_requested=lambda: False):
+        self.error_dir, self.run_folder = error_dir, run_folder
+        self.max_restarts, self.hang_timeout_s = max_restarts, hang_timeout_s
+        self.stop_requested = stop_requested
+        self.last_cause: str | None = None
+        self.hang: str | None = None
+
+    def attempt_started(self, attempt: int) -> None:
+        """Before attempt ``attempt``'s ranks start: forget the reasons of the attempt before (its
+        ranks are all stopped now) and record the start time for the goodput ledger."""
+        for path in glob.glob(os.path.join(self.error_dir, "rank*.err")):
+            os.remove(path)
+        _write_json(os.path.join(self.error_dir, f"attempt-{attempt}.start.json"),
+                    {"attempt": attempt, "started_at": time.time()})
+
+    def failed(self, attempt: int, failures: dict, world_size: int, restarts_left: int) -> bool:
+        """Attempt ``attempt`` failed (``failures``: {global rank: torchelastic ProcessFailure});
+        -> whether a restart may cure it. Writes ``restart-<attempt + 1>.json`` when one follows."""
+        failed_at = time.time()
+        codes = {rank: failure.exitcode for rank, failure in failures.items()}
+        messages = read_reasons(self.error_dir)
+        self.hang = None
+        if HANG_EXIT in codes.values():
+            self.hang = hang_line(self.run_folder, attempt, world_size, self.hang_timeout_s)
+            self.last_cause = "a " + self.hang.removeprefix("quadra: ")
+        else:
+            self.last_cause = failure_cause(codes, messages)
+        curable = not incurable(messages) and not self.stop_requested()
+        if curable and restarts_left > 0:
+            _write_json(os.path.join(self.error_dir, f"restart-{attempt + 1}.json"),
+                        {"attempt": attempt + 1, "cause": self.last_cause, "failed_at": failed_at,
+                         "max_restarts": self.max_restarts})
+        _write_json(os.path.join(self.error_dir, f"attempt-{attempt}.end.json"),
+                    {"attempt": attempt, "cause": self.last_cause, "failed_at": failed_at})
+        return curable
+
+
+def _write_json(path: str, record: dict) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)
+
+
+class QuadraAgent(LocalElasticAgent):
+    """torchrun's local agent that asks :class:`Recovery` before each restart (module docstring)."""
+
+    recovery: Recovery  # set on the subclass :func:`run_elastic` makes
+
+    def _attempt(self) -> int:
+        return self._worker_group.spec.max_restarts - self._remaining_restarts
+
+    def _start_workers(self, worker_group):
+        self.recovery.attempt_started(self._attempt())
+        return super()._start_workers(worker_group)
+
+    def _monitor_workers(self, worker_group):
+        result = super()._monitor_workers(worker_group)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            world_size = worker_group.workers[0].world_size if worker_group.workers else 0
+            if not self.recovery.failed(self._attempt(), result.failures, world_size, self._remaining_restarts):
+                self._remaining_restarts = 0  # torchrun's loop then stops the group and reports the failure
+        return result
+
+
+def run_elastic(torchrun_argv: list[str], recovery: Recovery) -> None:
+    """``torch.distributed.run.run`` of ``torchrun_argv`` with :class:`QuadraAgent` as the agent.
+
+    Raises:
+        torch.distributed.elastic.multiprocessing.errors.ChildFailedError: the job failed (after
+            the restarts it was allowed).
+    """
+    from torch.distributed.run import get_args_parser, run
+
+    agent = type("QuadraAgent", (QuadraAgent,), {"recovery": recovery})
+    original = launcher_api.LocalElasticAgent
+    launcher_api.LocalElasticAgent = agent  # the name launch_agent() builds its agent from
+    try:
+        run(get_args_parser().parse_args(torchrun_argv))
+    finally:
+        launcher_api.LocalElasticAgent = original

@@ -1,0 +1,108 @@
+"""The torch-free decisions of a run that keeps itself alive, without launching: which failure a
+restart may cure, who a Flight Recorder record says never entered the collective, the goodput
+arithmetic, and the refusal of an elastic range with every degree fixed (tests/test_recovery.py
+launches the real faults)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from engine.launch.failures import PEER_FAILURE, failure_cause, incurable
+from engine.observe.goodput import AttemptLedger, ledger
+from engine.observe.hang import missing_ranks
+
+
+def test_only_deaths_without_a_reason_are_curable():
+    lost_peer = {0: f"{PEER_FAILURE} during a collective (Connection reset by peer)"}
+    assert not incurable(lost_peer)
+    assert incurable({0: "set-up error: every checkpoint in 'x' is damaged", **{1: lost_peer[0]}})
+    # The SIGKILLed rank is the cause, not the survivor that lost it or that torchrun stopped.
+    assert failure_cause({0: 1, 1: -int(signal.SIGKILL)}, lost_peer) == "rank 1 ended with signal SIGKILL"
+    assert failure_cause({0: -int(signal.SIGTERM), 1: 3}, {}) == "rank 1 ended with exit status 3"
+
+
+def _fr(folder, rank: int, collectives: list[tuple[str, int, str]]) -> None:
+    """A Flight Recorder record (torch's JSON dump) of ``(group, sequence number, op)`` entries."""
+    entries = [{"process_group": [group.split(":")[0], group.split(":")[1]], "collective_seq_id": seq,
+                "profiling_name": op, "is_p2p": False, "time_created_ns": 10 * seq} for group, seq, op in collectives]
+    (folder / f"rank-{rank}.fr.json").write_text(json.dumps({"entries": entries}))
+
+
+def test_the_flight_recorder_names_the_ranks_that_never_entered(tmp_path):
+    # 4 ranks, two dp groups; ranks 0, 1, 3 wait in the default group's 5th all-reduce, rank 2 is
+    # still at its 4th; the subgroup counts agree (every rank finished them).
+    for rank in range(4):
+        default = [("0:default_pg", seq, "gloo:all_reduce") for seq in range(1, 5 if rank == 2 else 6)]
+        _fr(tmp_path, rank, [("1:dp", 1, "gloo:reduce_scatter"), ("1:dp", 2, "gloo:all_gather"), *default])
+    assert missing_ranks(str(tmp_path)) == ([0, 1, 3], "gloo:all_reduce #5 of process group default_pg", [2])
+    _fr(tmp_path, 2, [("0:default_pg", seq, "gloo:all_reduce") for seq in range(1, 6)])
+    assert missing_ranks(str(tmp_path)) is None  # everyone is in #5: a hang inside it, nobody absent
+
+
+def test_the_ledger_counts_steps_trained_again_once(tmp_path):
+    clock = iter(range(100, 200)).__next__
+    state = str(tmp_path)
+    first = AttemptLedger(state, 0, launch_time=90.0, resumed_from=0, clock=clock)
+    for step in range(1, 7):
+        first.step_started()
+        first.step_done(step, 1.0)
+    (tmp_path / "attempt-0.end.json").write_text(json.dumps({"attempt": 0, "cause": "rank 1 died", "failed_at": 110.0}))
+    (tmp_path / "restart-1.json").write_text(json.dumps({"attempt": 1, "cause": "rank 1 died", "failed_at": 110.0}))
+    (tmp_path / "attempt-1.start.json").write_text(json.dumps({"attempt": 1, "started_at": 112.0}))
+    second = AttemptLedger(state, 1, launch_time=90.0, resumed_from=4, clock=iter([115.0]).__next__)
+    assert second.retrained_range() == (5, 6)
+    second.step_started()
+    for step in range(5, 13):
+        second.step_done(step, 1.0)
+    records, summary = ledger(state, [first.record, second.record], 90.0, end_time=130.0)
+    assert [(r["startup_s"], r["recovery_s"], r["end"]) for r in records] == [(10.0, None, "rank 1 died"),
+                                                                             (3.0, 5.0, "completed")]
+    assert [r["retrained_steps"] for r in records] == [[], [5, 6]]
+    assert (summary["productive_s"], summary["retrained_s"], summary["goodput"]) == (12.0, 2.0, 12.0 / 40.0)
+
+
+@pytest.mark.parametrize("dp_shard, refused", [(2, True), (-1, False)])
+def test_an_elastic_range_needs_a_degree_that_absorbs_it(dp_shard, refused, monkeypatch, capsys, tmp_path):
+    from engine.launch import launcher
+
+    monkeypatch.setenv("NNODES", "1:2")
+    monkeypatch.setenv("NGPU", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setattr(launcher, "_launch", lambda *args: 0)  # the pre-flight only, no torchrun
+    config = os.path.join(os.path.dirname(os.path.dirname(__file__)), "train_configs", "debug_model.toml")
+    status = launcher.main(["--job.config_file", config, "--parallelism.dp_shard", str(dp_shard),
+                            "--job.dump_folder", str(tmp_path), "--job.device", "cpu"])
+    err = capsys.readouterr().err
+    if refused:
+        assert status == 2 and err.strip().splitlines() == [
+            "set-up error: NNODES=1:2 lets the group shrink to 1 node, but every degree is fixed "
+            "(parallelism.dp_shard = 2): set parallelism.dp_shard = -1 so that it absorbs the nodes that are "
+            "gone, or NNODES=2"], err
+    else:
+        assert status == 0, err
+
+
+def test_the_watchdog_writes_the_stacks_and_ends_a_rank_without_progress(tmp_path):
+    import threading
+    import time
+
+    from engine.observe.hang import HANG_EXIT, HangWatchdog, hang_folder
+
+    ended = threading.Event()
+    codes = []
+    watchdog = HangWatchdog(0.3, str(tmp_path), rank=3, exit=lambda code: (codes.append(code), ended.set()))
+    for step in range(1, 6):  # beats keep it quiet
+        watchdog.beat(step)
+        time.sleep(0.1)
+    assert not ended.is_set()
+    assert ended.wait(5), "the watchdog did not fire"
+    assert codes == [HANG_EXIT]
+    text = (tmp_path / "hangs" / "attempt-0" / "rank-3.txt").read_text()
+    assert hang_folder(str(tmp_path), 0) == str(tmp_path / "hangs" / "attempt-0")
+    assert text.startswith("rank 3: no progress for") and " in step 5 " in text
+    assert "in test_the_watchdog_writes_the_stacks" in text  # the main thread's stack, not only its own
+    watchdog.close()
