@@ -16,6 +16,7 @@ import math
 import pytest
 
 from tests.dist_utils import run_distributed
+from tests.test_document_mask_parity import corpus  # noqa: F401  (fixture: a corpus of short documents)
 from tests.training_utils import LayoutRuns, base_args, clipping_sides, train_and_record
 
 pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)
@@ -26,6 +27,9 @@ FP64 = {"training.mixed_precision_param": "float64", "training.mixed_precision_r
         "optimizer.lr": "6e-2"}
 QLORA = {"model.name": "deepseek_v3", "model.flavor": "debugmodel", **FP64}  # q latent + YaRN
 FULL_Q = {"model.name": "deepseek_v3", "model.flavor": "debugmodel_noqlora", **FP64}
+# Block-causal attention with RoPE restarting per document (models/document_mask.py); the data
+# paths are the documents corpus (fixture ``corpus``).
+DOCUMENTS = {**QLORA, "document_mask.enable": "true", "document_mask.restart_positions": "true"}
 TOLERANCE = 1e-12
 
 LAYOUTS = {
@@ -37,21 +41,38 @@ LAYOUTS = {
     "ep2": (2, {**QLORA, "parallelism.dp_shard": 2, "parallelism.ep": 2, "training.local_batch_size": 4}),
     "cp2": (2, {**QLORA, "parallelism.cp": 2, "parallelism.dp_shard": 1}),
     "pp2": (2, {**QLORA, "parallelism.pp": 2, "parallelism.dp_shard": 1}),
+    "documents_tp2": (2, {**DOCUMENTS, "parallelism.tp": 2, "parallelism.dp_shard": 1}),
+    "documents_cp2": (2, {**DOCUMENTS, "parallelism.cp": 2, "parallelism.dp_shard": 1}),
     "ep2_x_tp2": (4, {**QLORA, "parallelism.dp_shard": 2, "parallelism.ep": 2, "parallelism.tp": 2,
                       "training.local_batch_size": 4}),
 }
 
 
-def _references(folder: str) -> dict:
-    return {model["model.flavor"]: train_and_record(base_args(f"{folder}/{model['model.flavor']}", model))
-            for model in (QLORA, FULL_Q)}
+REFERENCES = {"qlora": QLORA, "full_q": FULL_Q, "documents": DOCUMENTS}
+
+
+def _reference_name(overrides: dict) -> str:
+    """The reference a layout's overrides extend (the most specific one)."""
+    matches = [name for name, ref in REFERENCES.items() if all(overrides.get(k) == v for k, v in ref.items())]
+    return max(matches, key=lambda name: len(REFERENCES[name]))
+
+
+def _with_data(overrides: dict, corpus: str) -> dict:
+    if overrides.get("document_mask.enable") != "true":
+        return overrides
+    return {**overrides, "data.path": corpus, "validation.path": corpus}
+
+
+def _references(folder: str, corpus: str) -> dict:
+    return {name: train_and_record(base_args(f"{folder}/{name}", _with_data(model, corpus)))
+            for name, model in REFERENCES.items()}
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    """{model.flavor: History} of the single-process float64 runs (no process group)."""
-    (result,) = run_distributed(_references, 1, str(tmp_path_factory.mktemp("deepseek_single")), torchrun_env=False,
-                                timeout=600)
+def references(tmp_path_factory, corpus):  # noqa: F811
+    """{reference name: History} of the single-process float64 runs (no process group)."""
+    (result,) = run_distributed(_references, 1, str(tmp_path_factory.mktemp("deepseek_single")), corpus,
+                                torchrun_env=False, timeout=600)
     for name, history in result.items():
         above, below = clipping_sides(history)
         assert above >= 1 and below >= 1, f"{name}: max_norm is not between the steps' norms: {list(history)}"
@@ -59,13 +80,14 @@ def references(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return LayoutRuns(LAYOUTS, str(tmp_path_factory.mktemp("deepseek_layouts")))
+def runs(tmp_path_factory, corpus):  # noqa: F811
+    layouts = {name: (size, _with_data(overrides, corpus)) for name, (size, overrides) in LAYOUTS.items()}
+    return LayoutRuns(layouts, str(tmp_path_factory.mktemp("deepseek_layouts")))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_deepseek_v3_fp64_parity_with_one_process(layout, references, runs):
-    reference = references[LAYOUTS[layout][1]["model.flavor"]]
+    reference = references[_reference_name(LAYOUTS[layout][1])]
     for history in runs.history(layout):  # every rank reports the global loss and grad norm
         assert len(history) == len(reference)
         for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(history, reference), start=1):
