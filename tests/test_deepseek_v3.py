@@ -90,3 +90,50 @@ def test_flavor_parameter_counts_equal_transformers(flavor):
     want = sum(p.numel() for p in theirs.parameters())
     assert args.count_params(ours) == COUNTS[flavor]
     assert COUNTS[flavor][0] == want
+
+
+def test_yarn_frequencies_and_attention_factor_equal_transformers():
+    """models/deepseek_v3/yarn.py against transformers' "yarn" RoPE initialisation (float32 there)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from models.deepseek_v3.hf import args_from_config
+    from models.deepseek_v3.yarn import yarn_frequencies
+
+    config = transformers.DeepseekV3Config(**SMALL, q_lora_rank=None, rope_scaling=YARN)
+    want, want_factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    args = args_from_config(config.to_dict())
+    got = yarn_frequencies(args.qk_rope_head_dim, args.rope_theta, args.rope_scaling_factor,
+                           args.rope_original_max_seq_len, args.rope_yarn_beta_fast, args.rope_yarn_beta_slow)
+    assert torch.allclose(got.float(), want, rtol=1e-6, atol=0)
+    assert not torch.allclose(got, yarn_frequencies(8, 10000.0, 1.0, 16, 32, 1))  # the scaling moves them
+    assert args.rope_attention_factor == pytest.approx(want_factor, rel=1e-12) and want_factor != 1.0
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(n_group=3), "n_group must divide num_experts"),
+    (dict(topk_group=1, n_group=4, top_k=3), "exceeds the experts of topk_group"),
+    (dict(qk_nope_head_dim=15, qk_rope_head_dim=7), "qk_rope_head_dim=7 is odd"),
+    (dict(n_kv_heads=2), "n_kv_heads=2"),
+    (dict(rope_scaling="llama3"), "choose \"none\" or \"yarn\""),
+    (dict(num_nextn_predict_layers=1), "multi-token prediction is not implemented"),
+    (dict(q_lora_rank=-1), "q_lora_rank=-1"),
+])
+def test_bad_arguments_are_refused_in_one_line(change, message):
+    import dataclasses
+
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")) as error:
+        dataclasses.replace(deepseek_v3_flavors["debugmodel"], **change).validate()
+    assert "\n" not in str(error.value)
+
+
+def test_tensor_parallel_degree_must_split_the_heads():
+    from engine.config import load_config
+    from models.deepseek_v3.checks import validate_deepseek_v3_parallelism
+    from parallelisms.checks import TensorParallelError
+    from tests.training_utils import base_args
+
+    cfg = load_config(base_args("/tmp/unused", {"model.name": "deepseek_v3", "model.flavor": "debugmodel",
+                                                "parallelism.tp": 8, "parallelism.dp_shard": 1}))
+    with pytest.raises(TensorParallelError, match="n_heads"):
+        validate_deepseek_v3_parallelism(deepseek_v3_flavors["debugmodel"], cfg.parallelism, seq_len=32,
+                                         device_type="cpu", compile_enabled=False)

@@ -30,7 +30,7 @@ deepseek_v3_flavors: dict[str, DeepseekV3ModelArgs] = {
         dim=2048, n_layers=27, n_heads=16, vocab_size=163840, ffn_hidden_size=11264, q_lora_rank=0,
         kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, num_experts=64, top_k=6,
         moe_inter_dim=1408, n_shared_experts=2, n_dense_layers=1, n_group=1, topk_group=1,
-        route_scale=2.446, rope_theta=50000.0, max_seq_len=8192, load_balance_coeff=1e-3),
+        route_scale=2.446, rope_theta=50000.0, max_seq_len=8192, norm_eps=1e-5, load_balance_coeff=1e-3),
     # DeepSeek-V3 / V3.1 / R1 (deepseek-ai/DeepSeek-V3's config.json), main model without the MTP
     # module: YaRN factor 40 over 4096 positions to 163840.
     "671B": DeepseekV3ModelArgs(
