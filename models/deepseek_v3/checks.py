@@ -35,9 +35,10 @@ def validate_deepseek_v3_parallelism(
             "compile.enable = true is not supported for model.name = \"deepseek_v3\" yet: blocks are compiled "
             "whole (fullgraph), and token routing has data-dependent sizes (tokens per expert, all-to-all "
             "splits) that break the graph. Set compile.enable = false.")
-    divisible = {"dim": model_args.dim, "n_heads": model_args.n_heads,
-                 "shared experts' width (n_shared_experts × moe_inter_dim)":
-                     max(model_args.n_shared_experts, 1) * model_args.moe_inter_dim}
+    divisible = {"dim": model_args.dim, "n_heads": model_args.n_heads}
+    if model_args.n_shared_experts > 0:
+        divisible["shared experts' width (n_shared_experts × moe_inter_dim)"] = (
+            model_args.n_shared_experts * model_args.moe_inter_dim)
     if model_args.n_dense_layers > 0:
         divisible["feed-forward width (ffn_hidden_size)"] = model_args.ffn_hidden_dim
     validate_tensor_parallel(parallelism_cfg, divisible=divisible, vocab_size=model_args.vocab_size,
