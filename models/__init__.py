@@ -9,10 +9,11 @@ from models.registry import (
     register_model_spec,
 )
 
-# Imported for their side effect: register the "llama", "moe", "qwen3" and "qwen3_moe" specs.
+# Imported for their side effect: register the "llama", "moe", "qwen3", "qwen3_moe" and "deepseek_v3" specs.
 from models import llama  # noqa: E402,F401
 from models import moe  # noqa: E402,F401
 from models import qwen3  # noqa: E402,F401
+from models import deepseek_v3  # noqa: E402,F401
 
 __all__ = [
     "ModelArgs",

@@ -77,7 +77,7 @@ class _RingAttention(torch.autograd.Function):
         compute = torch.promote_types(q.dtype, torch.float32)
         qc = q.to(compute)
         scale = q.shape[-1] ** -0.5
-        out = torch.zeros_like(qc)
+        out = qc.new_zeros(*q.shape[:-1], v.shape[-1])  # the value width may differ from q/k's (MLA)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=compute, device=q.device)
         kv = (k, v)
         for step in range(size):
@@ -137,13 +137,14 @@ def ring_attention(
     """Causal attention of the local queries over the whole (cp-split) sequence, by ring exchange.
 
     Args:
-        q, k, v: [B, H, S/cp, head_dim] local blocks (same head count: repeat GQA heads first).
+        q, k, v: [B, H, S/cp, head_dim] local blocks (same head count: repeat GQA heads first); v
+            may have its own width v_dim (MLA, models/deepseek_v3/model.py).
         positions: LongTensor[cp, S/cp], the global positions held by each rank of ``group``.
         group: the cp process group.
         documents: None, or int [B, S] document ids of the whole window (block-causal attention).
 
     Returns:
-        [B, H, S/cp, head_dim], equal to the matching rows of full causal (block-causal) attention.
+        [B, H, S/cp, v_dim], equal to the matching rows of full causal (block-causal) attention.
     """
     return _RingAttention.apply(q, k, v, positions, group, documents)
 

@@ -39,6 +39,15 @@ REAL_PLAN_LAYOUTS = {
                                "parallelism.dp_shard": 4}),
     "qwen3_moe_30B_A3B_ep8": (8, {"model.name": "qwen3_moe", "model.flavor": "30B-A3B", "parallelism.dp_shard": 8,
                                   "parallelism.ep": 8}),
+    # DeepSeek-V3: MLA's latents and their norms replicated on tp, its per-head projections split;
+    # the full-rank query without sequence parallel, uneven FSDP; 16B under ep 8 (meta device).
+    "deepseek_v3_ep2_tp2_fsdp2": (4, {"model.name": "deepseek_v3", "model.flavor": "debugmodel",
+                                      "parallelism.dp_shard": 2, "parallelism.ep": 2, "parallelism.tp": 2}),
+    "deepseek_v3_full_q_tp2_nosp_fsdp3": (6, {"model.name": "deepseek_v3", "model.flavor": "debugmodel_noqlora",
+                                              "parallelism.tp": 2, "parallelism.dp_shard": 3,
+                                              "parallelism.sequence_parallel": "false"}),
+    "deepseek_v3_16B_ep8": (8, {"model.name": "deepseek_v3", "model.flavor": "16B", "parallelism.dp_shard": 8,
+                                "parallelism.ep": 8}),
 }
 
 
@@ -145,7 +154,7 @@ def test_presets_fit_their_gpus(preset):
     assert est.fits, (preset, est.memory.as_dict())
 
 
-@pytest.mark.parametrize("model", ["llama", "moe", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("model", ["llama", "moe", "qwen3", "qwen3_moe", "deepseek_v3"])
 def test_flops_per_token_equal_the_models_accounting(model):
     """The planner's torch-free 6N + attention (active experts only) equals the models' own
     ``get_nparams_and_flops`` on the built meta model, which MFU in training uses."""
@@ -153,7 +162,8 @@ def test_flops_per_token_equal_the_models_accounting(model):
     from engine.planner.estimate import training_flops_per_token
     from engine.planner.layout import Layout
 
-    layout = Layout.from_config(_cfg({"model.name": model}), 1, "cpu")
+    flavor = {"model.flavor": "debugmodel"} if model == "deepseek_v3" else {}
+    layout = Layout.from_config(_cfg({"model.name": model, **flavor}), 1, "cpu")
     args = layout.model_args
     spec = __import__("models.registry", fromlist=["get_model_spec"]).get_model_spec(model)
     _, flops = args.get_nparams_and_flops(build_meta_model(spec, args), layout.seq_len)

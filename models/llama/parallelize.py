@@ -21,7 +21,7 @@ from models.llama.model import FeedForward
 from parallelisms.parallelize import ParallelizePlan
 from parallelisms.tensor_parallel import ReplicateOnTP, TensorParallelPlan, VocabParallelEmbedding
 
-__all__ = ["LLAMA_PLAN", "llama_tp_plan"]
+__all__ = ["LLAMA_PLAN", "llama_tp_plan", "outer_tp_plan", "block_tp_plan"]
 
 
 def llama_tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -> TensorParallelPlan:
@@ -60,25 +60,11 @@ def llama_tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: b
         (module, style or {sub-module name: style}) pairs: the model's embedding, final norm and
         output, then each block.
     """
-    # Layout of the residual stream between sub-blocks: sequence shards with SP, else replicated.
-    stream = Shard(1) if sequence_parallel else Replicate()
     qk_norm = any(getattr(block.attention, "qk_norm", False) for block in model.layers.values())
-    plan = {}
-    if model.tok_embeddings is not None:
-        plan["tok_embeddings"] = VocabParallelEmbedding(output_layouts=stream)
-    if model.norm is not None and sequence_parallel:
-        plan["norm"] = SequenceParallel()
-    elif model.norm is not None and qk_norm:
-        plan["norm"] = ReplicateOnTP()  # see _block_plan: one kind of tensor among the norm weights
-    if model.output is not None:
-        plan["output"] = ColwiseParallel(
-            input_layouts=stream,
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        )
-    pairs = [(model, plan)]
+    pairs = [(model, outer_tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                                   replicate_norm=qk_norm))]
     for block in model.layers.values():
-        plan = _block_plan(sequence_parallel, qk_norm=qk_norm)
+        plan = block_tp_plan(sequence_parallel, qk_norm=qk_norm)
         if not isinstance(block.feed_forward, FeedForward):
             # Another feed-forward (e.g. an MoE layer): its model family's plan shards it.
             plan = {name: style for name, style in plan.items() if not name.startswith("feed_forward")}
@@ -86,7 +72,30 @@ def llama_tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: b
     return pairs
 
 
-def _block_plan(sequence_parallel: bool, qk_norm: bool = False) -> dict:
+def outer_tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool, replicate_norm: bool) -> dict:
+    """The plan of what lies outside the blocks (see :func:`llama_tp_plan`): the vocab-parallel
+    embedding, the final norm (sequence-parallel with SP; else a Replicate DTensor when
+    ``replicate_norm``, i.e. when the blocks hold other replicated norm weights) and the output head.
+    """
+    # Layout of the residual stream between sub-blocks: sequence shards with SP, else replicated.
+    stream = Shard(1) if sequence_parallel else Replicate()
+    plan = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = VocabParallelEmbedding(output_layouts=stream)
+    if model.norm is not None and sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    elif model.norm is not None and replicate_norm:
+        plan["norm"] = ReplicateOnTP()  # see block_tp_plan: one kind of tensor among the norm weights
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(
+            input_layouts=stream,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    return plan
+
+
+def block_tp_plan(sequence_parallel: bool, qk_norm: bool = False) -> dict:
     """The per-block TP plan (module names relative to a ``TransformerBlock``).
 
     With ``qk_norm`` (Qwen3's RMSNorm of each head's queries and keys, weight [head_dim]): each tp

@@ -29,7 +29,7 @@ from models.llama.parallelize import llama_tp_plan
 from parallelisms.parallelize import ExpertPlan, ParallelizePlan
 from parallelisms.tensor_parallel import ReplicateOnTP, TensorParallelPlan
 
-__all__ = ["MOE_PLAN", "moe_tp_plan"]
+__all__ = ["MOE_PLAN", "moe_tp_plan", "moe_layer_tp_plan"]
 
 
 def moe_tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -> TensorParallelPlan:
@@ -38,11 +38,11 @@ def moe_tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: boo
     """
     pairs = []
     for moe in model.moe_layers():
-        pairs += _moe_layer_tp_plan(moe, sequence_parallel)
+        pairs += moe_layer_tp_plan(moe, sequence_parallel)
     return pairs + llama_tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 
 
-def _moe_layer_tp_plan(moe: nn.Module, sequence_parallel: bool) -> TensorParallelPlan:
+def moe_layer_tp_plan(moe: nn.Module, sequence_parallel: bool) -> TensorParallelPlan:
     """One MoE layer under tensor parallel, its routed experts aside (see the module docstring)."""
     stream = Shard(1) if sequence_parallel else Replicate()
     pairs = [

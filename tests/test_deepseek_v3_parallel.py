@@ -1,0 +1,97 @@
+"""DeepSeek-V3 under every parallelism, in the float64 reference mode: loss, grad norm and validation
+loss equal one process to 1e-12 (relative) at every step (gloo, CPU), clipping engaged on some steps.
+
+What these layouts guard: MLA's heads split over tp while the query and key-value latents (wq_a,
+wkv_a) and their RMSNorms stay replicated with gradients summed over every tp rank's heads (with
+and without sequence parallel; the RoPE key's gradient too), ring attention with a value width
+(12) apart from the query-key width (24), YaRN's tables and softmax scale under cp's position
+sharding, group-limited routing under ep and ep × tp, and pipeline stages cutting the dense and MoE
+layers. Layouts of one world size train in the same forked ranks (:class:`tests.training_utils.LayoutRuns`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.dist_utils import run_distributed
+from tests.test_document_mask_parity import corpus  # noqa: F401  (fixture: a corpus of short documents)
+from tests.training_utils import LayoutRuns, base_args, clipping_sides, train_and_record
+
+pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)
+
+# lr 6e-2 spreads the grad norms across training_utils.MAX_NORM (steps 1-2 below, 4 above), so
+# clipping is engaged on some steps and not on others.
+FP64 = {"training.mixed_precision_param": "float64", "training.mixed_precision_reduce": "float64",
+        "optimizer.lr": "6e-2"}
+QLORA = {"model.name": "deepseek_v3", "model.flavor": "debugmodel", **FP64}  # q latent + YaRN
+FULL_Q = {"model.name": "deepseek_v3", "model.flavor": "debugmodel_noqlora", **FP64}
+# Block-causal attention with RoPE restarting per document (models/document_mask.py); the data
+# paths are the documents corpus (fixture ``corpus``).
+DOCUMENTS = {**QLORA, "document_mask.enable": "true", "document_mask.restart_positions": "true"}
+TOLERANCE = 1e-12
+
+LAYOUTS = {
+    "fsdp2": (2, {**QLORA, "parallelism.dp_shard": 2, "training.local_batch_size": 4}),
+    "tp2": (2, {**QLORA, "parallelism.tp": 2, "parallelism.dp_shard": 1}),
+    "tp2_no_sequence_parallel": (2, {**QLORA, "parallelism.tp": 2, "parallelism.dp_shard": 1,
+                                     "parallelism.sequence_parallel": "false"}),
+    "full_q_tp2": (2, {**FULL_Q, "parallelism.tp": 2, "parallelism.dp_shard": 1}),
+    "ep2": (2, {**QLORA, "parallelism.dp_shard": 2, "parallelism.ep": 2, "training.local_batch_size": 4}),
+    "cp2": (2, {**QLORA, "parallelism.cp": 2, "parallelism.dp_shard": 1}),
+    "pp2": (2, {**QLORA, "parallelism.pp": 2, "parallelism.dp_shard": 1}),
+    "documents_tp2": (2, {**DOCUMENTS, "parallelism.tp": 2, "parallelism.dp_shard": 1}),
+    "documents_cp2": (2, {**DOCUMENTS, "parallelism.cp": 2, "parallelism.dp_shard": 1}),
+    "ep2_x_tp2": (4, {**QLORA, "parallelism.dp_shard": 2, "parallelism.ep": 2, "parallelism.tp": 2,
+                      "training.local_batch_size": 4}),
+}
+
+
+REFERENCES = {"qlora": QLORA, "full_q": FULL_Q, "documents": DOCUMENTS}
+
+
+def _reference_name(overrides: dict) -> str:
+    """The reference a layout's overrides extend (the most specific one)."""
+    matches = [name for name, ref in REFERENCES.items() if all(overrides.get(k) == v for k, v in ref.items())]
+    return max(matches, key=lambda name: len(REFERENCES[name]))
+
+
+def _with_data(overrides: dict, corpus: str) -> dict:
+    if overrides.get("document_mask.enable") != "true":
+        return overrides
+    return {**overrides, "data.path": corpus, "validation.path": corpus}
+
+
+def _references(folder: str, corpus: str) -> dict:
+    return {name: train_and_record(base_args(f"{folder}/{name}", _with_data(model, corpus)))
+            for name, model in REFERENCES.items()}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory, corpus):  # noqa: F811
+    """{reference name: History} of the single-process float64 runs (no process group)."""
+    (result,) = run_distributed(_references, 1, str(tmp_path_factory.mktemp("deepseek_single")), corpus,
+                                torchrun_env=False, timeout=600)
+    for name, history in result.items():
+        above, below = clipping_sides(history)
+        assert above >= 1 and below >= 1, f"{name}: max_norm is not between the steps' norms: {list(history)}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, corpus):  # noqa: F811
+    layouts = {name: (size, _with_data(overrides, corpus)) for name, (size, overrides) in LAYOUTS.items()}
+    return LayoutRuns(layouts, str(tmp_path_factory.mktemp("deepseek_layouts")))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_deepseek_v3_fp64_parity_with_one_process(layout, references, runs):
+    reference = references[_reference_name(LAYOUTS[layout][1])]
+    for history in runs.history(layout):  # every rank reports the global loss and grad norm
+        assert len(history) == len(reference)
+        for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(history, reference), start=1):
+            assert math.isclose(loss, ref_loss, rel_tol=TOLERANCE), f"step {step}: loss {loss} vs {ref_loss}"
+            assert math.isclose(norm, ref_norm, rel_tol=TOLERANCE), f"step {step}: grad_norm {norm} vs {ref_norm}"
+        for (step, loss), (_, ref_loss) in zip(history.validation, reference.validation):
+            assert math.isclose(loss, ref_loss, rel_tol=TOLERANCE), f"validation after step {step}: {loss} vs {ref_loss}"
