@@ -89,6 +89,12 @@ class ModelSpec:
             planner's activation bytes; MoE: top_k routed + shared experts).
         expert_routing: `fn(model_args) -> models.planning.ExpertRouting`, for families that route
             tokens to experts (the planner's ep degrees and all-to-all bytes); None for dense ones.
+        attention_activations: `fn(model_args) -> models.planning.AttentionActivations`, what one
+            attention layer keeps for backward per token (the planner's activation bytes); None
+            means LLaMA's attention (``models.planning.gqa_attention_activations``).
+        ffn_activations: `fn(model_args, layer) -> models.planning.FeedForwardActivations`, what
+            block ``layer``'s feed-forward keeps per token; None means every block is
+            ``ffn_width`` wide and routes nothing.
     All callables may be given as "module:attribute" names (:meth:`ModelSpec.get`).
     """
 
@@ -102,6 +108,8 @@ class ModelSpec:
     flops_per_token: Any = None
     ffn_width: Any = None
     expert_routing: Any = None
+    attention_activations: Any = None
+    ffn_activations: Any = None
 
     def get(self, field: str) -> Any:
         """The object spec field ``field`` names (:func:`load_ref`).

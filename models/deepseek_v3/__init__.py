@@ -25,5 +25,7 @@ register_model_spec(
         flops_per_token="models.deepseek_v3.planning:deepseek_v3_flops_per_token",
         ffn_width="models.deepseek_v3.planning:deepseek_v3_ffn_width",
         expert_routing="models.deepseek_v3.planning:deepseek_v3_routing",
+        attention_activations="models.deepseek_v3.planning:deepseek_v3_attention_activations",
+        ffn_activations="models.deepseek_v3.planning:deepseek_v3_ffn_activations",
     )
 )

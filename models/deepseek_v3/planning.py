@@ -9,10 +9,11 @@ experts over ep, the router replicated, shared experts and dense layers column/r
 from __future__ import annotations
 
 from models.moe.planning import _moe_feed_forward, moe_ffn_width, moe_routing
-from models.planning import ExpertRouting, ParamSpec
+from models.planning import AttentionActivations, ExpertRouting, FeedForwardActivations, ParamSpec
 
 __all__ = ["deepseek_v3_param_shapes", "deepseek_v3_flops_per_token", "deepseek_v3_ffn_width",
-           "deepseek_v3_routing"]
+           "deepseek_v3_routing", "deepseek_v3_attention_activations",
+           "deepseek_v3_ffn_activations"]
 
 
 def _mla(args, layer: int, p: str) -> list[ParamSpec]:
@@ -67,3 +68,41 @@ def deepseek_v3_ffn_width(args) -> int:
 def deepseek_v3_routing(args) -> ExpertRouting:
     """``ModelSpec.expert_routing``: top_k of num_experts from layer n_dense_layers on."""
     return moe_routing(args)
+
+
+def deepseek_v3_attention_activations(args) -> AttentionActivations:
+    """``ModelSpec.attention_activations`` of MLA (models/deepseek_v3/model.py ``MLAttention``), per
+    token, H heads, r_q = q_lora_rank, r_kv = kv_lora_rank:
+
+    - split with the heads: q and k at the kernel (H·qk_head_dim each), v and the output's copy for
+      wo (H·v_head_dim each); without YaRN's q scale q is wq's / wq_b's output itself;
+    - replicated on tp: wkv_a's output (r_kv + qk_rope_head_dim, whose latent kv_norm keeps), the
+      norm's normalized tensor and output (r_kv each) and rstd (1); with a query latent the same
+      for wq_a / q_norm (3·r_q + 1);
+    - matmuls wq_a (r_q), wq_b (H·qk_head_dim) or wq, wkv_a (r_kv + rope), wkv_b (H·(nope + v)), wo (dim);
+    - in backward the gradients of q, k (H·qk_head_dim each) and v, the output, its copy (H·v_head_dim).
+    DeepSeek-V2 arXiv 2405.04434 §2.1 for the data flow; the tensors are those torch's autograd
+    saves (``torch.autograd.graph.saved_tensors_hooks``) in one MLA forward on the CPU.
+    """
+    h, qk, v, rope = args.n_heads, args.qk_head_dim, args.v_head_dim, args.qk_rope_head_dim
+    r_q, r_kv = args.q_lora_rank, args.kv_lora_rank
+    replicated = r_kv + rope + 2 * r_kv + 1 + (3 * r_q + 1 if r_q else 0)
+    dim = args.dim
+    q_matmuls = ((r_q, dim, False), (h * qk, r_q, True)) if r_q else ((h * qk, dim, True),)
+    matmuls = q_matmuls + ((r_kv + rope, dim, False), (h * (args.qk_nope_head_dim + v), r_kv, True),
+                           (dim, h * v, False))
+    return AttentionActivations(heads=h, qk_head_dim=qk, v_head_dim=v, split=2 * h * qk + 2 * h * v,
+                                replicated=replicated, matmuls=matmuls, backward=2 * h * qk + 3 * h * v)
+
+
+def deepseek_v3_ffn_activations(args, layer: int) -> FeedForwardActivations:
+    """``ModelSpec.ffn_activations`` of block ``layer``: a dense block's SwiGLU (``ffn_hidden_size``);
+    an MoE block's top_k routed and shared experts' SwiGLU (models/moe/planning.py
+    ``moe_ffn_width``) and, kept on every rank, the routed copies of the token at the experts'
+    input and output and in the weighted sum (3·top_k·dim), the token's input kept for the
+    combine (dim), the sigmoid scores (E) and the top-k weights and int64 indices (about 4·top_k
+    + 4 elements); the tensors torch's autograd saves in one CPU forward of models/moe/layers.py."""
+    if not args.is_moe_layer(layer):
+        return FeedForwardActivations(args.ffn_hidden_dim)
+    k = args.top_k
+    return FeedForwardActivations(moe_ffn_width(args), 3 * k * args.dim + args.dim + args.num_experts + 4 * k + 4)
