@@ -44,12 +44,19 @@ The last stage also keeps each other in-flight microbatch's logits and log-proba
 V/t]) until its backward; the first stage peaks, where its saved blocks are few (full AC), at the end
 of an earlier microbatch's backward: the embedding's weight gradient beside the later microbatches'
 blocks (:func:`embedding_backward_bytes`).
-The family gives the feed-forward width f (``ModelSpec.ffn_width``; MoE: top_k routed + shared).
+The family describes its blocks torch-free (models/planning.py): the attention's saved tensors per
+token (``ModelSpec.attention_activations``, an ``AttentionActivations``: the 5d above is LLaMA's,
+``gqa_attention_activations``; MLA keeps its latents on every tp rank and, on the CPU, where its
+value width differs from the query-key width, SDPA's math path keeps the softmax probabilities
+[H/t, s] per token instead of the output and log-sum-exp) and each block's feed-forward
+(``ModelSpec.ffn_activations``: the width f, per block, and what routing keeps; else
+``ModelSpec.ffn_width`` for every block; MoE: top_k routed + shared).
 """
 
 from __future__ import annotations
 
 from engine.planner.loss_memory import fused_loss_bytes
+from models.planning import FeedForwardActivations, gqa_attention_activations
 
 
 def _tokens(layout) -> int:
@@ -57,49 +64,104 @@ def _tokens(layout) -> int:
     return layout.microbatch_size * (layout.seq_len // layout.cp)
 
 
-def matmul_output_widths(layout) -> list[int]:
-    """Per-token elements of each matmul output of one block forward, in forward order: wq, wk, wv,
-    wo, w1, w3, w2 (d/t, kv/t, kv/t, h, f/t, f/t, h; wo and w2 are TP's partial sums, full width)."""
+def attention_activations(layout):
+    """The family's ``models.planning.AttentionActivations`` for ``layout.model_args``
+    (``ModelSpec.attention_activations``; LLaMA's attention when the family gives none)."""
+    spec = layout.model_spec
+    fn = spec.get("attention_activations") if spec.attention_activations is not None else gqa_attention_activations
+    return fn(layout.model_args)
+
+
+def ffn_activations(layout, layer: int | None = None) -> FeedForwardActivations:
+    """The family's ``models.planning.FeedForwardActivations`` of block ``layer``
+    (``ModelSpec.ffn_activations``; else every block ``ModelSpec.ffn_width`` wide, nothing routed);
+    ``layer`` None: the block that keeps the most (4·width + routed)."""
+    spec, a = layout.model_spec, layout.model_args
+    if spec.ffn_activations is None:
+        return FeedForwardActivations(spec.get("ffn_width")(a))
+    fn = spec.get("ffn_activations")
+    if layer is not None:
+        return fn(a, layer)
+    return max((fn(a, i) for i in range(a.n_layers)), key=lambda ffn: 4 * ffn.width + ffn.routed)
+
+
+def fused_attention_kernel(layout, att) -> bool:
+    """Whether SDPA runs a fused kernel (output + log-sum-exp saved) rather than its math path
+    (softmax probabilities saved): torch's CPU flash kernel needs equal query/key and value widths
+    (torch docs, ``torch.nn.functional.scaled_dot_product_attention``; aten sdp_utils_cpp's head-dim check)."""
+    return not (layout.device_type == "cpu" and att.qk_head_dim != att.v_head_dim)
+
+
+def _kernel_elements(layout, att, ac: str) -> tuple[int, int]:
+    """(compute-dtype elements, fp32 elements) per token the attention kernel itself keeps under
+    ``ac``: a fused kernel its output [H·v/t] and log-sum-exp [H/t] (both per-op policies save
+    them); the math path its softmax probabilities [H/t, s] (without AC; "op_all_matmuls" keeps
+    them and the output, the bmm outputs; "op" recomputes them)."""
+    t, heads = layout.tp, att.heads // layout.tp
+    if fused_attention_kernel(layout, att):
+        return heads * att.v_head_dim, heads
+    s = layout.seq_len // layout.cp
+    if ac == "none":
+        return heads * s, 0
+    return (heads * s + heads * att.v_head_dim, 0) if ac == "op_all_matmuls" else (0, 0)
+
+
+def matmul_output_widths(layout, layer: int | None = None) -> list[int]:
+    """Per-token elements of each matmul output of block ``layer``'s forward (None: the widest
+    block), in forward order: the attention's (LLaMA: wq, wk, wv, wo: d/t, kv/t, kv/t, h), then w1,
+    w3, w2 (f/t, f/t, h; wo and w2 are TP's partial sums, full width)."""
     a, t = layout.model_args, layout.tp
-    f = layout.model_spec.get("ffn_width")(a)
-    kv, d = a.kv_heads * a.head_dim, a.n_heads * a.head_dim
-    return [d // t, kv // t, kv // t, a.dim, f // t, f // t, a.dim]
+    f = ffn_activations(layout, layer).width
+    att = attention_activations(layout)
+    return [w // t if split else w for w, _, split in att.matmuls] + [f // t, f // t, a.dim]
 
 
-def block_activation_bytes(layout, ac: str) -> int:
-    """Bytes one transformer block keeps for backward per microbatch (see the module docstring).
+def matmul_input_widths(layout, layer: int | None = None) -> list[int]:
+    """Per-token input elements of the matmuls of :func:`matmul_output_widths` (full width: FLOPs
+    are output × input width per token)."""
+    f = ffn_activations(layout, layer).width
+    dim = layout.model_args.dim
+    return [w for _, w, _ in attention_activations(layout).matmuls] + [dim, dim, f]
+
+
+def block_activation_bytes(layout, ac: str, layer: int | None = None) -> int:
+    """Bytes transformer block ``layer`` (None: the one that keeps the most) keeps for backward per
+    microbatch (see the module docstring).
 
     Args:
         ac: "none", "full", "op" (every second matmul recomputed) or "op_all_matmuls".
     """
     a = layout.model_args
     T, h, t = _tokens(layout), a.dim, layout.tp
-    f = layout.model_spec.get("ffn_width")(a)  # MoE: top_k routed copies of each token + shared experts
-    d = a.n_heads * a.head_dim  # attention width: q and the attention output
-    kv = a.kv_heads * a.head_dim
+    ffn = ffn_activations(layout, layer)
+    f = ffn.width  # MoE: top_k routed copies of each token + shared experts
+    att = attention_activations(layout)
     bb = layout.param_bytes
     tsp = t if layout.sequence_parallel else 1
-    lse = T * (a.n_heads // t) * 4
     if ac == "full":
         return T * h // tsp * bb
-    if ac in ("op", "op_all_matmuls"):  # the block input, the saved matmul, attention, reduce-scatter outputs
-        widths = matmul_output_widths(layout)
+    kernel, lse = _kernel_elements(layout, att, ac)
+    kernel_bytes = T * kernel * bb + T * lse * 4
+    if ac in ("op", "op_all_matmuls"):  # the block input, the saved matmuls, attention, reduce-scatter outputs
+        widths = matmul_output_widths(layout, layer)
         kept = widths[::2] if ac == "op" else widths
         scattered = 2 * h // t if layout.sequence_parallel else 0
-        return T * (h // tsp + sum(kept) + d // t + scattered) * bb + lse
-    # none: two norm inputs, the (gathered) inputs of wq/wk/wv and w1/w3, q and k, v repeated to every
-    # query head, the attention output and its [T, d] copy for wo, SwiGLU's four f-wide tensors; with
-    # QK-norm (Qwen3) also each norm's input and normalized q, k (measured on CPU)
-    qk_norm = 2 * T * (d + kv) // t * bb if getattr(a, "qk_norm", False) else 0
-    return T * (2 * h // tsp + 2 * h + 3 * d // t + 2 * d // t) * bb + lse + 4 * T * f // t * bb + qk_norm
+        return T * (h // tsp + sum(kept) + scattered) * bb + kernel_bytes
+    # none: two norm inputs, the (gathered) inputs of the attention's first matmuls and of w1/w3,
+    # the attention's own tensors (q, k, v, the output's copy for wo, latents, QK-norm), the
+    # kernel's, SwiGLU's four f-wide tensors
+    attention = T * (att.split // t + att.replicated) * bb
+    return T * (2 * h // tsp + 2 * h + ffn.routed) * bb + attention + kernel_bytes + 4 * T * f // t * bb
 
 
 def backward_temporary_bytes(layout) -> int:
-    """Gradients alive inside one block's backward: SwiGLU's four f-wide and attention's five
-    d-wide tensors (d = n_heads·head_dim; in the compute dtype)."""
-    a = layout.model_args
-    f = layout.model_spec.get("ffn_width")(a)
-    return _tokens(layout) * (4 * f + 5 * a.n_heads * a.head_dim) // layout.tp * layout.param_bytes
+    """Gradients alive inside one block's backward: SwiGLU's four f-wide and the attention's
+    (LLaMA: five d-wide tensors, d = n_heads·head_dim; the math path adds the probabilities' and
+    scores' [H/t, s] gradients), in the compute dtype."""
+    f = ffn_activations(layout).width
+    att = attention_activations(layout)
+    math = 0 if fused_attention_kernel(layout, att) else 2 * att.heads * (layout.seq_len // layout.cp)
+    return _tokens(layout) * (4 * f + att.backward + math) // layout.tp * layout.param_bytes
 
 
 def recomputed_backward_bytes(layout) -> int:
@@ -113,7 +175,7 @@ def recomputed_backward_bytes(layout) -> int:
     tests/test_planner_runs.py (single_ac_full, single_s256_ac_full, single_s256_ac_op); without
     recomputation the block's backward keeps :func:`backward_temporary_bytes`."""
     a = layout.model_args
-    f = layout.model_spec.get("ffn_width")(a)
+    f = ffn_activations(layout).width
     tsp = layout.tp if layout.sequence_parallel else 1
     return _tokens(layout) * (2 * f // layout.tp + a.dim // tsp) * layout.param_bytes
 
@@ -148,12 +210,13 @@ def ac_kind(layout) -> str:
 def saved_per_microbatch(layout, pp_rank: int = 0) -> int:
     """Bytes the blocks of pp rank ``pp_rank`` (all its stages) keep for backward per microbatch."""
     ac = ac_kind(layout)
-    n_layers = sum(len(layers) if layers is not None else layout.model_args.n_layers
-                   for layers, _, _ in layout.stages_of(pp_rank))
+    layers = [i for stage_layers, _, _ in layout.stages_of(pp_rank)
+              for i in (stage_layers if stage_layers is not None else range(layout.model_args.n_layers))]
     if ac == "every":  # selective N: every N-th block fully recomputed
-        full = n_layers // int(layout.ac[1])
-        return full * block_activation_bytes(layout, "full") + (n_layers - full) * block_activation_bytes(layout, "none")
-    return n_layers * block_activation_bytes(layout, ac)
+        full = len(layers) // int(layout.ac[1])
+        return full * block_activation_bytes(layout, "full") + sum(
+            block_activation_bytes(layout, "none", i) for i in layers[full:])
+    return sum(block_activation_bytes(layout, ac, i) for i in layers)
 
 
 def microbatches_in_flight(layout, pp_rank: int = 0) -> int:

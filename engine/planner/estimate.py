@@ -77,12 +77,10 @@ def recompute_factor(layout) -> float:
     if mode == "selective" and option.isdigit():
         return 1 + 1 / (3 * int(option))
     if mode == "selective" and option == "op":
-        from engine.planner.activations import matmul_output_widths
+        from engine.planner.activations import matmul_input_widths, matmul_output_widths
 
-        a = layout.model_args
         widths = matmul_output_widths(layout)  # per-token outputs; FLOPs are output × input width
-        f = layout.model_spec.get("ffn_width")(a)
-        inputs = [a.dim, a.dim, a.dim, a.n_heads * a.head_dim, a.dim, a.dim, f]
+        inputs = matmul_input_widths(layout)
         flops = [w * i for w, i in zip(widths, inputs)]
         return 1 + sum(flops[1::2]) / sum(flops) / 3
     return 1.0
