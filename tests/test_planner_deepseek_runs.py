@@ -2,7 +2,8 @@
 on the CPU, the MoE blocks' routed copies; models/deepseek_v3/planning.py) against one-process CPU
 runs of its debug flavors: the planner's ``activation_bytes`` within 10 % of the peak of MemTracker's
 ACT + TEMP + OTH in the second step (tests/planner_runs.py), without AC, with full AC, with the
-per-op policy, and the query latent left out (``debugmodel_noqlora``)."""
+per-op policy, and the query latent left out (``debugmodel_noqlora``); and on both ranks of tp 2
+with sequence parallel (MLA's heads split, its latents replicated)."""
 
 from __future__ import annotations
 
@@ -16,22 +17,34 @@ pytestmark = pytest.mark.slow  # training runs in a forked process
 
 ACTIVATION_TOLERANCE = 0.10
 DEEPSEEK = {"model.name": "deepseek_v3", "model.flavor": "debugmodel"}
-LAYOUTS = {
-    "ds_ac_none": DEEPSEEK,
-    "ds_noqlora_ac_none": {**DEEPSEEK, "model.flavor": "debugmodel_noqlora"},
-    "ds_ac_full": {**DEEPSEEK, "activation_checkpoint.mode": "full"},
-    "ds_ac_op": {**DEEPSEEK, "activation_checkpoint.mode": "selective"},
+LAYOUTS = {  # name: (world_size, overrides)
+    "ds_ac_none": (1, DEEPSEEK),
+    "ds_noqlora_ac_none": (1, {**DEEPSEEK, "model.flavor": "debugmodel_noqlora"}),
+    "ds_ac_full": (1, {**DEEPSEEK, "activation_checkpoint.mode": "full"}),
+    "ds_ac_op": (1, {**DEEPSEEK, "activation_checkpoint.mode": "selective"}),
+    "ds_tp2_sp": (2, {**DEEPSEEK, "parallelism.dp_shard": 1, "parallelism.tp": 2, "training.local_batch_size": 4}),
 }
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("planner_deepseek_runs"))
-    (results,) = run_distributed(measure_layouts, 1, folder, LAYOUTS, timeout=240.0, torchrun_env=False)
-    for name, result in results.items():
-        if isinstance(result, str):
-            raise AssertionError(f"layout {name}:\n{result}")
-    return results
+    cache: dict[int, list[dict]] = {}
+
+    def get(name: str) -> list[dict]:
+        world_size = LAYOUTS[name][0]
+        if world_size not in cache:
+            same = {n: o for n, (w, o) in LAYOUTS.items() if w == world_size}
+            cache[world_size] = run_distributed(measure_layouts, world_size, f"{folder}/w{world_size}", same,
+                                                timeout=60.0 + 40.0 * world_size * len(same),
+                                                torchrun_env=world_size > 1)
+        per_rank = [results[name] for results in cache[world_size]]
+        for result in per_rank:
+            if isinstance(result, str):
+                raise AssertionError(f"layout {name}:\n{result}")
+        return per_rank
+
+    return get
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
@@ -40,8 +53,10 @@ def test_deepseek_v3_activations_within_10_percent_of_measured(name, runs):
     from engine.planner.layout import Layout
     from engine.planner.memory import activation_bytes
 
-    cfg = load_config(base_args("/tmp/unused", {"training.steps": 3, **LAYOUTS[name]}))
+    world_size, overrides = LAYOUTS[name]
+    cfg = load_config(base_args("/tmp/unused", {"training.steps": 3, **overrides}))
     cfg.validate()
-    predicted = activation_bytes(Layout.from_config(cfg, 1, "cpu"))
-    measured = runs[name]["activations"]
-    assert abs(predicted - measured) <= ACTIVATION_TOLERANCE * measured, (predicted, measured)
+    predicted = activation_bytes(Layout.from_config(cfg, world_size, "cpu"))
+    for m in runs(name):
+        measured = m["activations"]
+        assert abs(predicted - measured) <= ACTIVATION_TOLERANCE * measured, (m["rank"], predicted, measured)
