@@ -115,7 +115,7 @@ def test_yarn_frequencies_and_attention_factor_equal_transformers():
     (dict(qk_nope_head_dim=15, qk_rope_head_dim=7), "qk_rope_head_dim=7 is odd"),
     (dict(n_kv_heads=2), "n_kv_heads=2"),
     (dict(rope_scaling="llama3"), "choose \"none\" or \"yarn\""),
-    (dict(num_nextn_predict_layers=1), "multi-token prediction is not implemented"),
+    (dict(num_nextn_predict_layers=-1), "num_nextn_predict_layers=-1 must be an integer >= 0"),
     (dict(q_lora_rank=-1), "q_lora_rank=-1"),
 ])
 def test_bad_arguments_are_refused_in_one_line(change, message):

@@ -53,7 +53,7 @@ class DeepseekV3ModelArgs(MoEModelArgs):
             rope_yarn_mscale / _mscale_all_dim (DeepSeek's temperature multipliers: the cos/sin
             tables are scaled by mscale(s, mscale) / mscale(s, mscale_all_dim) and the softmax
             scale by mscale(s, mscale_all_dim)², as transformers' DeepseekV3).
-        num_nextn_predict_layers: multi-token-prediction modules; only 0 is implemented.
+        num_nextn_predict_layers: multi-token-prediction depths D (models/deepseek_v3/mtp.py); 0 = none.
     """
 
     dim: int = 7168
@@ -154,9 +154,10 @@ class DeepseekV3ModelArgs(MoEModelArgs):
                              f"beta_fast > beta_slow > 0; got factor={self.rope_scaling_factor}, original_max_seq_len="
                              f"{self.rope_original_max_seq_len}, beta_fast={self.rope_yarn_beta_fast}, "
                              f"beta_slow={self.rope_yarn_beta_slow}")
-        if self.num_nextn_predict_layers != 0:
-            raise ValueError(f"DeepseekV3ModelArgs.num_nextn_predict_layers={self.num_nextn_predict_layers}: "
-                             "multi-token prediction is not implemented yet; set it to 0")
+        n = self.num_nextn_predict_layers
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"DeepseekV3ModelArgs.num_nextn_predict_layers={n!r} must be an integer >= 0 "
+                             "(multi-token-prediction depths; 0 = none)")
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """(total parameters, training FLOPs per token), active experts only.

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from models.document_mask import document_attention
 from models.llama.model import _init_linear, apply_rope
 from models.deepseek_v3.args import DeepseekV3ModelArgs
+from models.deepseek_v3.mtp import MTPModule, mtp_targets, token_sum_cross_entropy
 from models.deepseek_v3.yarn import deepseek_rope_tables
 from models.moe.layers import MoE, TokenChoiceRouter
 from models.moe.model import MoETransformer, MoETransformerBlock
@@ -172,6 +174,14 @@ class DeepseekV3Transformer(MoETransformer):
     """DeepSeek-V3 model or pipeline stage; RoPE tables [max_seq_len, qk_rope_head_dim // 2] (YaRN's
     when ``rope_scaling = "yarn"``). Build on meta, parallelize, ``to_empty``, ``init_weights(seed)``.
 
+    With ``num_nextn_predict_layers`` D > 0, ``mtp`` holds the multi-token-prediction modules
+    (models/deepseek_v3/mtp.py; keys "0".."D-1") and, in training with labels, :meth:`forward`
+    returns the main token sum plus ``mtp_weight`` times the mean over depths of theirs (given the
+    labels, the loss is computed here on full logits too when ``loss_chunk_tokens`` is 0; the
+    trainer passes them, ``needs_labels``). ``mtp_weight`` is set by the trainer (``[loss]
+    mtp_weight``); the depths' token sums and target counts of a step are reported by
+    :meth:`post_optimizer_step` as ``mtp_loss`` (mean token cross entropy, averaged over depths).
+
     Raises:
         ValueError: from ``DeepseekV3ModelArgs.validate()``.
     """
@@ -181,9 +191,70 @@ class DeepseekV3Transformer(MoETransformer):
     def __init__(self, model_args: DeepseekV3ModelArgs):
         super().__init__(model_args)
         self.rope_cos, self.rope_sin = deepseek_rope_tables(model_args, device=self.rope_cos.device)
+        depths = model_args.num_nextn_predict_layers
+        self.mtp = nn.ModuleDict({str(k): MTPModule(model_args.n_layers + k, model_args, self.block_cls)
+                                  for k in range(depths)}) if depths else None
+        self.mtp_weight = 0.0
+        self.needs_labels = depths > 0
+        # Per depth: Σ token cross entropy and target count of the step's microbatches (detached).
+        self.register_buffer("mtp_stats", torch.zeros(2, max(depths, 1), dtype=torch.float64), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                loss_chunk_tokens: int = 256) -> torch.Tensor:
+        """``Transformer.forward``; with MTP modules, in training, given labels: the main token sum
+        plus ``mtp_weight`` · (1/D) Σ_k (depth k's token sum), fp32 0-dim (arXiv 2412.19437 eq. 25)."""
+        if self.mtp is None or labels is None:
+            return super().forward(tokens, positions, documents, labels, loss_chunk_tokens)
+        h, (cos, sin, extra) = self.trunk(tokens, positions, documents)
+        main = token_sum_cross_entropy(self.norm(h), self.output.weight, labels, loss_chunk_tokens)
+        if not self.training:
+            return main
+        mtp_sum = self._mtp_token_sum(h, tokens, labels, documents, (cos, sin, extra), loss_chunk_tokens)
+        return main + self.mtp_weight * mtp_sum
+
+    def _mtp_token_sum(self, h, tokens, labels, documents, block_inputs, chunk_tokens: int) -> torch.Tensor:
+        """(1/D) Σ_k depth k's token-sum cross entropy (models/deepseek_v3/mtp.py); adds each depth's
+        sum and target count to ``mtp_stats``."""
+        cos, sin, extra = block_inputs
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for k, module in enumerate(self.mtp.values(), start=1):
+            h = module(h, self.tok_embeddings(tokens.roll(-k, dims=1)), cos, sin, extra)
+            targets = mtp_targets(labels, k, documents)
+            depth_sum = token_sum_cross_entropy(module.norm(h), self.output.weight, targets, chunk_tokens)
+            with torch.no_grad():
+                self.mtp_stats[0, k - 1] += depth_sum.detach().double()
+                self.mtp_stats[1, k - 1] += (targets != -100).sum().double()
+            total = total + depth_sum
+        return total / len(self.mtp)
+
+    @torch.no_grad()
+    def post_optimizer_step(self) -> dict[str, tuple[torch.Tensor, str]]:
+        """The MoE metrics (``MoETransformer.post_optimizer_step``) and, with MTP modules,
+        ``mtp_loss``: Σ over the step's tokens and ranks (``token_group``) of each depth's cross
+        entropy over its targets, averaged over depths ("sum" over model parts)."""
+        metrics = super().post_optimizer_step()
+        if self.mtp is None:
+            return metrics
+        stats = self.mtp_stats.clone()
+        if self.token_group is not None:
+            dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=self.token_group)
+        metrics["mtp_loss"] = ((stats[0] / stats[1].clamp_min(1)).mean(), "sum")
+        self.mtp_stats.zero_()
+        return metrics
+
+    @torch.no_grad()
+    def discard_step(self) -> None:
+        """A skipped step: drop the routing counts and the MTP sums."""
+        super().discard_step()
+        self.mtp_stats.zero_()
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, buffer_device: torch.device | str | None = None) -> None:
-        """``Transformer.init_weights``, then this family's RoPE tables on ``buffer_device``."""
+        """``Transformer.init_weights``, the MTP modules, then this family's RoPE tables on ``buffer_device``."""
         super().init_weights(seed, buffer_device)
+        if self.mtp is not None:
+            for module in self.mtp.values():
+                module.init_weights(seed)
+            self.mtp_stats.zero_()
         self.rope_cos, self.rope_sin = deepseek_rope_tables(self.model_args, device=self.rope_cos.device)

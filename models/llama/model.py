@@ -234,6 +234,18 @@ class Transformer(nn.Module):
         Raises:
             ValueError: wrong input rank/dtype for this part, or S > max_seq_len.
         """
+        h, _ = self.trunk(tokens, positions, documents)
+        return self.head(h, labels, loss_chunk_tokens)
+
+    def trunk(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+              documents: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple]:
+        """The embedding (when this part has it) and the blocks of :meth:`forward`: returns the hidden
+        state [B, S, dim] before the final norm and (cos, sin, block keyword inputs), what further
+        blocks on the same tokens take (e.g. DeepSeek-V3's multi-token prediction).
+
+        Raises:
+            ValueError: as :meth:`forward`.
+        """
         if self.tok_embeddings is not None:
             if tokens.dim() != 2 or tokens.is_floating_point():
                 raise ValueError(
@@ -254,6 +266,10 @@ class Transformer(nn.Module):
         extra = {} if documents is None else {"documents": attention_inputs(documents, self.layers.values())}
         for layer in self.layers.values():
             h = layer(h, cos, sin, **extra)
+        return h, (cos, sin, extra)
+
+    def head(self, h: torch.Tensor, labels: torch.Tensor | None = None, loss_chunk_tokens: int = 256) -> torch.Tensor:
+        """The final norm and output of :meth:`forward` on the blocks' hidden state ``h`` [B, S, dim]."""
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None and labels is not None:

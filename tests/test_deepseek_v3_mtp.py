@@ -1,0 +1,116 @@
+"""DeepSeek-V3's multi-token prediction (models/deepseek_v3/mtp.py) against a plain re-computation.
+
+transformers' ``DeepseekV3ForCausalLM`` has no MTP module (it ignores the checkpoints' layer 61), so
+the reference here is written from arXiv 2412.19437 §2.2 independently of the model's code: depth k
+runs on the first S - k positions only (slices, where the model rolls and masks), its input
+[enorm(Emb(tokens[k:])); hnorm(h^{k-1}[:S-k])] through eh_proj and the block, its targets
+labels[k:] (token t+1+k), the objective main + weight · mean over depths, in float64.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.deepseek_v3.flavors import deepseek_v3_flavors
+from models.deepseek_v3.model import DeepseekV3Transformer
+
+WEIGHT = 0.3
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = DeepseekV3Transformer(deepseek_v3_flavors["debugmodel_mtp"])
+    m.init_weights(seed=3)
+    m.double()
+    m.mtp_weight = WEIGHT
+    return m
+
+
+def _reference(m, tokens, labels, documents=None):
+    """(main token sum, [depth k's token sum], [depth k's target count]) by slicing, float64."""
+    seq = tokens.shape[1]
+    extra = {} if documents is None else {"documents": documents}
+    h = m.tok_embeddings(tokens)
+    for layer in m.layers.values():
+        h = layer(h, m.rope_cos, m.rope_sin, **extra)
+    main = F.cross_entropy(m.output(m.norm(h)).flatten(0, 1), labels.flatten(), reduction="sum")
+    sums, counts = [], []
+    for k, module in enumerate(m.mtp.values(), start=1):
+        n = seq - k
+        x = module.eh_proj(torch.cat([module.enorm(m.tok_embeddings(tokens[:, k:])), module.hnorm(h[:, :n])], -1))
+        kw = {} if documents is None else {"documents": documents[:, :n]}
+        h = module.block(x, m.rope_cos, m.rope_sin, **kw)
+        target = labels[:, k:].clone()
+        if documents is not None:  # token t+k must be in token t's document
+            target[documents[:, k:] != documents[:, :n]] = -100
+        sums.append(F.cross_entropy(m.output(module.norm(h)).flatten(0, 1), target.flatten(), reduction="sum",
+                                    ignore_index=-100))
+        counts.append(int((target != -100).sum()))
+    return main, sums, counts
+
+
+def _batch(vocab: int, documents: bool):
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, vocab, (2, 24), generator=g)
+    labels = torch.cat([tokens[:, 1:], torch.randint(0, vocab, (2, 1), generator=g)], dim=1)
+    ids = None
+    if documents:  # documents start at positions 0, 7 and 15 (row 0) and 0, 11 (row 1)
+        ids = torch.zeros(2, 24, dtype=torch.int32)
+        ids[0, 7:], ids[0, 15:], ids[1, 11:] = 1, 2, 1
+    return tokens, labels, ids
+
+
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+@pytest.mark.parametrize("chunk_tokens", [0, 16], ids=["unfused", "fused"])
+def test_mtp_objective_equals_plain_recomputation(model, chunk_tokens, documents):
+    tokens, labels, ids = _batch(model.model_args.vocab_size, documents)
+    main, sums, counts = _reference(model, tokens, labels, ids)
+    model.mtp_stats.zero_()
+    got = model(tokens, labels=labels, documents=ids, loss_chunk_tokens=chunk_tokens)
+    want = main + WEIGHT * sum(sums) / len(sums)
+    assert torch.allclose(got, want, rtol=1e-12, atol=0), (got.item(), want.item())
+    assert model.mtp_stats[1].tolist() == counts  # targets per depth: S - k, less those across documents
+    assert torch.allclose(model.mtp_stats[0], torch.stack(sums), rtol=1e-12, atol=0)
+    model.eval()
+    try:  # evaluation: the main loss only
+        assert torch.allclose(model(tokens, labels=labels, documents=ids, loss_chunk_tokens=chunk_tokens), main,
+                              rtol=1e-12, atol=0)
+    finally:
+        model.train()
+    # logged: each depth's mean over its targets, averaged over depths (it also moves the routing biases)
+    logged = model.post_optimizer_step()["mtp_loss"][0]
+    assert torch.allclose(logged, sum(s / c for s, c in zip(sums, counts)) / len(sums), rtol=1e-12)
+
+
+def test_mtp_gradient_reaches_the_shared_embedding_through_every_depth(model):
+    """The MTP terms reach the shared embedding (its gradient differs from the main loss's alone) and
+    the modules' own weights."""
+    tokens, labels, _ = _batch(model.model_args.vocab_size, False)
+    model.zero_grad()
+    model.mtp_weight = 0.0
+    model(tokens, labels=labels, loss_chunk_tokens=0).backward()
+    main_only = model.tok_embeddings.weight.grad.clone()
+    model.zero_grad()
+    model.mtp_weight = WEIGHT
+    model(tokens, labels=labels, loss_chunk_tokens=0).backward()
+    assert not torch.allclose(model.tok_embeddings.weight.grad, main_only)
+    assert model.mtp["1"].eh_proj.weight.grad.abs().sum() > 0
+    model.zero_grad()
+    model.mtp_stats.zero_()
+
+
+def test_mtp_refused_with_pp_cp_tp_in_one_line():
+    from types import SimpleNamespace
+
+    from models.deepseek_v3.checks import validate_deepseek_v3_parallelism
+
+    args = deepseek_v3_flavors["debugmodel_mtp"]
+    for name in ("pp", "cp", "tp"):
+        cfg = SimpleNamespace(**{"pp": 1, "cp": 1, "tp": 1, "ep": 1, "dp_shard": 1, "sequence_parallel": True,
+                                 "loss_parallel": True, "async_tp": False, name: 2})
+        with pytest.raises(ValueError, match=f"parallelism.{name} = 2 with num_nextn_predict_layers = 2") as err:
+            validate_deepseek_v3_parallelism(args, cfg, seq_len=32, device_type="cpu", compile_enabled=False)
+        assert "\n" not in str(err.value)
