@@ -51,6 +51,7 @@ metrics.log_all_ranks metrics.time_attribution
 activation_checkpoint.mode activation_checkpoint.selective_ac_option
 compile.enable compile.backend
 loss.chunk_tokens
+loss.mtp_weight
 profiling.enable profiling.start_step profiling.num_steps profiling.traces_folder profiling.memory_snapshot
 document_mask.enable document_mask.restart_positions
 record.step record.folder

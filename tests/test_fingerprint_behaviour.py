@@ -92,6 +92,8 @@ SPECS: dict[str, Spec] = {
     "document_mask.enable": Spec({"document_mask.enable": True}, {"data.path": f"{F}/other.jsonl"}),
     "document_mask.restart_positions": Spec({"document_mask.restart_positions": True},
                                             {"data.path": f"{F}/other.jsonl"}),
+    # the reference trains the same MTP modules at weight 0 (main loss only)
+    "loss.mtp_weight": Spec({"loss.mtp_weight": 0.3}, {"model.name": "deepseek_v3", "model.flavor": "debugmodel_mtp"}),
     # numerics
     # float64 needs both keys (engine/config/validation.py); an fp32 run is within the fp32 tolerance of it.
     # bfloat16 is not checked: the parity tools define no bf16 tolerance, and on 2 processes a bf16

@@ -44,6 +44,7 @@ _CLASSES: dict[str, dict[str, tuple[str, ...]]] = {
         # Which updates are applied: a skipped step trains nothing, so the same data gives another model.
         "step_health": ("on_nonfinite", "loss_spike_sigma", "grad_norm_spike_sigma", "window"),
         "document_mask": ("enable", "restart_positions"),  # what each token attends to, its positions
+        "loss": ("mtp_weight",),  # adds the multi-token-prediction terms to the objective
     },
     NUMERICS: {
         "job": ("device",),
@@ -82,7 +83,7 @@ KEY_CLASS: dict[str, str] = {
 # Convergence keys of features added after runs were fingerprinted: at these values (the feature off)
 # they stay out of the hash, so a run that does not use the feature keeps the fingerprint it had
 # before the key existed (its checkpoints resume without a "changed fingerprint" warning).
-NEUTRAL_WHEN = {"document_mask.enable": False, "document_mask.restart_positions": False}
+NEUTRAL_WHEN = {"document_mask.enable": False, "document_mask.restart_positions": False, "loss.mtp_weight": 0.0}
 
 GLOBAL_BATCH = "training.global_batch_size"
 # What sets the global batch when training.global_batch_size = -1 (local_batch_size x dp degree).

@@ -260,10 +260,13 @@ class ProfilingSection:
 
 @dataclass
 class LossSection:
-    """``[loss]``: how the token-sum cross entropy is computed (models/linear_cross_entropy.py)."""
+    """``[loss]``: how the token-sum cross entropy is computed (models/linear_cross_entropy.py) and
+    what further terms the objective adds (multi-token prediction, arXiv 2412.19437 §2.2)."""
 
     chunk_tokens: int = _opt(256, "> 0: fused output projection + cross entropy over chunks of this many tokens, "
                              "so at most [chunk_tokens, vocab / tp] logits exist at a time; 0: full logits (unfused)")
+    mtp_weight: float = _opt(0.0, "multi-token prediction (models with MTP modules, e.g. deepseek_v3's "
+                             "num_nextn_predict_layers): objective = main + mtp_weight × mean over depths; 0: main only")
 
 
 @dataclass

@@ -66,6 +66,8 @@ def range_problems(cfg) -> list[str]:
          'must name a folder, e.g. "record"'),
         (cfg.loss.chunk_tokens < 0, "loss.chunk_tokens", cfg.loss.chunk_tokens,
          "must be >= 0 tokens (0: the unfused loss over full logits; e.g. 256)"),
+        (not 0 <= cfg.loss.mtp_weight < float("inf"), "loss.mtp_weight", cfg.loss.mtp_weight,
+         "must be a finite number >= 0 (0: no multi-token-prediction loss; DeepSeek-V3 used 0.3, then 0.1)"),
     ]
     fp64 = (t.mixed_precision_param == "float64", t.mixed_precision_reduce == "float64")
     checks.append((fp64[0] != fp64[1], "training.mixed_precision_reduce", t.mixed_precision_reduce,

@@ -88,4 +88,6 @@ def build_model_parts(cfg, spec: ModelSpec, args, *, parallel_dims=None, pp_plan
                         global_batch_size=global_batch_size, backend=backend)
         if device is not None:
             materialize(part, device, t.seed)
+        if hasattr(part, "mtp_weight"):  # a model with multi-token prediction: [loss] mtp_weight
+            part.mtp_weight = cfg.loss.mtp_weight
     return parts, nparams, flops_per_token

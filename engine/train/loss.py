@@ -30,7 +30,9 @@ def model_loss(model, inputs: torch.Tensor, labels: torch.Tensor, global_tokens:
     ``chunk_tokens > 0`` (``[loss] chunk_tokens``): the model fuses its output projection with the
     cross entropy over chunks of that many tokens and returns the token sum itself
     (models/linear_cross_entropy.py); no [B, S, V] logits exist. 0: the model returns the logits and
-    :func:`token_sum_loss` takes them. Either way the result is the token sum / ``global_tokens``.
+    :func:`token_sum_loss` takes them. A model whose objective needs the labels beyond the next
+    token (``model.needs_labels``, e.g. multi-token prediction) gets them either way and returns the
+    token sum itself. Either way the result is the token sum / ``global_tokens``.
 
     Args:
         model: called as ``model(inputs, **model_kwargs)`` or ``model(inputs, labels=...,
@@ -38,7 +40,7 @@ def model_loss(model, inputs: torch.Tensor, labels: torch.Tensor, global_tokens:
         inputs, labels: LongTensor [B, S]; global_tokens: see :func:`token_sum_loss`.
         model_kwargs: the model's other keyword inputs (document masking's ids and positions).
     """
-    if chunk_tokens > 0:
+    if chunk_tokens > 0 or getattr(model, "needs_labels", False):
         token_sum = model(inputs, labels=labels, loss_chunk_tokens=chunk_tokens, **model_kwargs)
         return fused_stage_loss(token_sum, labels, global_tokens)
     return token_sum_loss(model(inputs, **model_kwargs), labels, global_tokens)
