@@ -46,6 +46,9 @@ REAL_PLAN_LAYOUTS = {
     "deepseek_v3_full_q_tp2_nosp_fsdp3": (6, {"model.name": "deepseek_v3", "model.flavor": "debugmodel_noqlora",
                                               "parallelism.tp": 2, "parallelism.dp_shard": 3,
                                               "parallelism.sequence_parallel": "false"}),
+    # multi-token prediction: its modules beside the output head in FSDP's root unit, their experts over ep
+    "deepseek_v3_mtp_ep2_fsdp2": (2, {"model.name": "deepseek_v3", "model.flavor": "debugmodel_mtp",
+                                      "parallelism.dp_shard": 2, "parallelism.ep": 2}),
     "deepseek_v3_16B_ep8": (8, {"model.name": "deepseek_v3", "model.flavor": "16B", "parallelism.dp_shard": 8,
                                 "parallelism.ep": 8}),
 }
@@ -162,7 +165,7 @@ def test_flops_per_token_equal_the_models_accounting(model):
     from engine.planner.estimate import training_flops_per_token
     from engine.planner.layout import Layout
 
-    flavor = {"model.flavor": "debugmodel"} if model == "deepseek_v3" else {}
+    flavor = {"model.flavor": "debugmodel_mtp"} if model == "deepseek_v3" else {}  # MTP depths run blocks too
     layout = Layout.from_config(_cfg({"model.name": model, **flavor}), 1, "cpu")
     args = layout.model_args
     spec = __import__("models.registry", fromlist=["get_model_spec"]).get_model_spec(model)

@@ -176,5 +176,10 @@ class DeepseekV3ModelArgs(MoEModelArgs):
         n_embedding = 0 if tok is None or self.tie_embeddings else tok.weight.numel()
         layers = getattr(model, "layers", None)
         n_layers = len(layers) if layers is not None else self.n_layers
+        mtp = getattr(model, "mtp", None)
+        if mtp is not None:  # each MTP depth runs one more block, whose token also uses top_k experts only
+            n_layers += len(mtp)
+            n_moe = sum(self.is_moe_layer(module.layer_id) for module in mtp.values())
+            active -= n_moe * (self.num_experts - self.top_k) * self.expert_params
         attention = 6 * n_layers * self.n_heads * (self.qk_head_dim + self.v_head_dim) * seq_len
         return total, 6 * (active - n_embedding) + attention

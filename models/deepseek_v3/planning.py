@@ -8,6 +8,8 @@ experts over ep, the router replicated, shared experts and dense layers column/r
 
 from __future__ import annotations
 
+import dataclasses
+
 from models.moe.planning import _moe_feed_forward, moe_ffn_width, moe_routing
 from models.planning import AttentionActivations, ExpertRouting, FeedForwardActivations, ParamSpec
 
@@ -46,6 +48,23 @@ def deepseek_v3_param_shapes(args) -> list[ParamSpec]:
     params.append(ParamSpec("norm.weight", (dim,), None, norm=True))
     if not args.tie_embeddings:
         params.append(ParamSpec("output.weight", (args.vocab_size, dim), None, tp_dim=0))
+    return params + _mtp(args)
+
+
+def _mtp(args) -> list[ParamSpec]:
+    """The multi-token-prediction modules' parameters (models/deepseek_v3/mtp.py ``MTPModule``, module
+    order), ``layer`` None: they sit beside the output head (last stage, FSDP's root unit)."""
+    dim, params = args.dim, []
+    for k in range(args.num_nextn_predict_layers):
+        layer, p = args.n_layers + k, f"mtp.{k}."
+        block = _mla(args, layer, p + "block.") + _moe_feed_forward(args, layer, p + "block.") + [
+            ParamSpec(p + "block.attention_norm.weight", (dim,), layer, norm=True),
+            ParamSpec(p + "block.ffn_norm.weight", (dim,), layer, norm=True)]
+        params += [ParamSpec(p + "enorm.weight", (dim,), None, norm=True),
+                   ParamSpec(p + "hnorm.weight", (dim,), None, norm=True),
+                   ParamSpec(p + "eh_proj.weight", (dim, 2 * dim), None)]
+        params += [dataclasses.replace(spec, layer=None) for spec in block]
+        params.append(ParamSpec(p + "norm.weight", (dim,), None, norm=True))
     return params
 
 
@@ -57,7 +76,8 @@ def deepseek_v3_flops_per_token(args, seq_len: int) -> float:
         if p.name.startswith("tok_embeddings") and not args.tie_embeddings:
             continue
         n += p.numel * (args.top_k / args.num_experts if p.expert else 1)
-    return 6 * n + 6 * args.n_layers * args.n_heads * (args.qk_head_dim + args.v_head_dim) * seq_len
+    blocks = args.n_layers + args.num_nextn_predict_layers
+    return 6 * n + 6 * blocks * args.n_heads * (args.qk_head_dim + args.v_head_dim) * seq_len
 
 
 def deepseek_v3_ffn_width(args) -> int:
