@@ -53,6 +53,9 @@ class HFAdapter:
         config_from_args: ``(args, *, dtype, bos_id, eos_id) -> config dict`` for
             ``transformers.AutoModelForCausalLM``.
         weight_rules: ``args -> list[Rule]`` in Hugging Face's order (embedding, layers, norm, head).
+        args_for_weights: optional ``(args, weight names: set[str]) -> model args``: the arguments of
+            the checkpoint's weights where config.json says more than they hold (e.g. transformers'
+            DeepseekV3Config names an MTP layer its model never saves); None keeps config.json's.
     All raise :class:`HFConfigError` for what the family cannot express.
     """
 
@@ -60,6 +63,7 @@ class HFAdapter:
     args_from_config: Callable
     config_from_args: Callable
     weight_rules: Callable
+    args_for_weights: Callable | None = None
 
 
 def require(ok: bool, where: str, message: str) -> None:

@@ -9,6 +9,8 @@ labels[k:] (token t+1+k), the objective main + weight · mean over depths, in fl
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -114,3 +116,54 @@ def test_mtp_refused_with_pp_cp_tp_in_one_line():
         with pytest.raises(ValueError, match=f"parallelism.{name} = 2 with num_nextn_predict_layers = 2") as err:
             validate_deepseek_v3_parallelism(args, cfg, seq_len=32, device_type="cpu", compile_enabled=False)
         assert "\n" not in str(err.value)
+
+
+def test_hf_checkpoint_mtp_layer_imports_and_exports_bitwise(tmp_path, capsys):
+    """A published checkpoint's MTP layer (``model.layers.{num_hidden_layers}.*``: enorm, hnorm,
+    eh_proj, shared_head.norm, the block's names, and its copies of the embedding and head) reaches
+    ``mtp.0`` through scripts/convert_checkpoint.py from-hf, and to-hf gives every tensor back bitwise
+    (transformers' model has no MTP: its layers are written here by the checkpoint's names)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (a dev dependency)")
+    from safetensors.torch import load_file, save_file
+
+    from tests.test_deepseek_v3 import MODELS, VOCAB, _hf_model
+    from tests.test_hf_interop import quadra_model
+    from tests.test_qwen3_convert import _script, _stored
+
+    model = _hf_model(MODELS["qlora_yarn"], seed=5)
+    hf_dir, dcp_dir, back_dir = str(tmp_path / "hf"), str(tmp_path / "dcp"), str(tmp_path / "back")
+    model.save_pretrained(hf_dir)
+    main = load_file(f"{hf_dir}/model.safetensors")
+    last = model.config.num_hidden_layers  # the MTP layer's number; copy the last MoE block's names
+    g = torch.Generator().manual_seed(7)
+    mtp = {k.replace(f"layers.{last - 1}.", f"layers.{last}."): torch.randn(v.shape, generator=g)
+           for k, v in main.items() if k.startswith(f"model.layers.{last - 1}.")}
+    dim = model.config.hidden_size
+    mtp.update({f"model.layers.{last}.{name}": torch.randn(shape, generator=g) for name, shape in (
+        ("enorm.weight", (dim,)), ("hnorm.weight", (dim,)), ("eh_proj.weight", (dim, 2 * dim)),
+        ("shared_head.norm.weight", (dim,)))})
+    mtp[f"model.layers.{last}.embed_tokens.weight"] = main["model.embed_tokens.weight"].clone()
+    mtp[f"model.layers.{last}.shared_head.head.weight"] = main["lm_head.weight"].clone()
+    save_file(mtp, f"{hf_dir}/mtp.safetensors", metadata={"format": "pt"})
+    config = json.load(open(f"{hf_dir}/config.json"))
+    json.dump({**config, "num_nextn_predict_layers": 1}, open(f"{hf_dir}/config.json", "w"))
+
+    script = _script()
+    assert script.main(["from-hf", hf_dir, dcp_dir]) == 0
+    capsys.readouterr()
+    quadra = quadra_model(dcp_dir)
+    assert torch.equal(quadra.mtp["0"].eh_proj.weight, mtp[f"model.layers.{last}.eh_proj.weight"])
+    assert torch.equal(quadra.mtp["0"].norm.weight, mtp[f"model.layers.{last}.shared_head.norm.weight"])
+    assert torch.equal(quadra.mtp["0"].enorm.weight, mtp[f"model.layers.{last}.enorm.weight"])
+    assert torch.equal(quadra.mtp["0"].block.attention.wkv_a.weight,
+                       mtp[f"model.layers.{last}.self_attn.kv_a_proj_with_mqa.weight"])
+    tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # the main model is untouched by the MTP layer
+        assert (quadra(tokens) - model(tokens).logits).abs().max().item() < 1e-5
+    assert script.main(["to-hf", dcp_dir, back_dir]) == 0
+    original, back = _stored(hf_dir), _stored(back_dir)
+    assert back.keys() == original.keys()
+    unequal = [k for k in original if not torch.equal(back[k], original[k])]
+    assert not unequal, unequal[:3]
+    assert json.load(open(f"{back_dir}/config.json"))["num_nextn_predict_layers"] == 1
+    del transformers

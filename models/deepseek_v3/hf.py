@@ -13,11 +13,18 @@ Weights map one to one (``q_a_proj`` <-> ``wq_a``, ``kv_a_proj_with_mqa`` <-> ``
 per-expert matrices transposed and stacked (models/moe/hf.py). No query/key permutation: with
 ``rope_interleave`` (the default, and DeepSeek's layout) transformers rotates the interleaved
 channel pairs as Quadra does (it writes the result de-interleaved, the same permutation for queries
-and keys, which leaves q·k unchanged). The multi-token-prediction layers of a published checkpoint
-(``num_nextn_predict_layers``) have no place in Quadra's model yet.
+and keys, which leaves q·k unchanged). The multi-token-prediction layers of a published checkpoint (``num_nextn_predict_layers`` D;
+``model.layers.{num_hidden_layers + k}.*``, the names of DeepSeek-V3's checkpoint and of vLLM's
+``deepseek_mtp`` loader, which transformers' DeepseekV3 skips) map to ``mtp.{k}``: ``enorm``,
+``hnorm``, ``eh_proj``, ``shared_head.norm`` <-> ``norm`` and the block's usual names <->
+``block.*``. The checkpoint's own copies of the shared embedding and head
+(``embed_tokens``, ``shared_head.head``) are read as the main ones' (Quadra keeps one of each, as the
+paper shares them) and written back as copies of them.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from models.hf import (HFAdapter, Rule, embedding_rule, head_rules, norm_rules, one, require, same,
                        validated_args)
@@ -78,7 +85,7 @@ def _args(config: dict, where: str):
         kv_lora_rank=int(config["kv_lora_rank"]), qk_nope_head_dim=int(config["qk_nope_head_dim"]),
         qk_rope_head_dim=int(config["qk_rope_head_dim"]), v_head_dim=int(config["v_head_dim"]),
         n_group=int(config.get("n_group") or 1), topk_group=int(config.get("topk_group") or 1),
-        **_rope(config, where))
+        num_nextn_predict_layers=int(config.get("num_nextn_predict_layers") or 0), **_rope(config, where))
 
 
 def args_from_config(config: dict, where: str = "config.json"):
@@ -106,7 +113,7 @@ def config_from_args(args, *, dtype: str, bos_id: int | None, eos_id: int | None
         "hidden_act": "silu", "max_position_embeddings": args.max_seq_len, "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta, "rope_scaling": None, "rope_interleave": True,
         "tie_word_embeddings": args.tie_embeddings, "vocab_size": args.vocab_size, "attention_bias": False,
-        "attention_dropout": 0.0, "num_nextn_predict_layers": 0, "initializer_range": 0.02, "use_cache": True,
+        "attention_dropout": 0.0, "num_nextn_predict_layers": args.num_nextn_predict_layers, "initializer_range": 0.02, "use_cache": True,
         "bos_token_id": bos_id, "eos_token_id": eos_id, "torch_dtype": dtype,
     }
     if args.yarn_enabled:
@@ -145,11 +152,73 @@ def weight_rules(args) -> list[Rule]:
     in Hugging Face's order."""
     rules = [embedding_rule()]
     for i in range(args.n_layers):
-        rules += _attention_rules(args, i)
-        rules += _moe_rules(args, i) if args.is_moe_layer(i) else feed_forward_rules(i)
-        rules += norm_rules(i)
-    return rules + head_rules(args)
+        rules += _block_rules(args, i)
+    rules += head_rules(args)
+    for k in range(args.num_nextn_predict_layers):
+        rules += _mtp_rules(args, k)
+    return _with_mtp_copies(rules, args)
+
+
+def _block_rules(args, layer: int) -> list[Rule]:
+    rules = _attention_rules(args, layer)
+    rules += _moe_rules(args, layer) if args.is_moe_layer(layer) else feed_forward_rules(layer)
+    return rules + norm_rules(layer)
+
+
+def _mtp_rules(args, k: int) -> list[Rule]:
+    """MTP depth k: its block's rules renamed from ``layers.{L + k}.`` to ``mtp.{k}.block.``, then
+    enorm, hnorm, eh_proj and shared_head.norm."""
+    layer = args.n_layers + k
+    hf, q, block = f"model.layers.{layer}.", f"mtp.{k}.", f"layers.{layer}."
+    rules = [dataclasses.replace(rule, quadra=q + "block." + rule.quadra.removeprefix(block))
+             for rule in _block_rules(args, layer)]
+    return rules + [Rule(q + ours, (hf + theirs,), same, one) for ours, theirs in (
+        ("enorm.weight", "enorm.weight"), ("hnorm.weight", "hnorm.weight"), ("eh_proj.weight", "eh_proj.weight"),
+        ("norm.weight", "shared_head.norm.weight"))]
+
+
+def _with_mtp_copies(rules: list[Rule], args) -> list[Rule]:
+    """The embedding's and output head's rules also name each MTP layer's copies (``embed_tokens``,
+    ``shared_head.head``): read from the main ones, written as copies of them."""
+    layers = range(args.n_layers, args.n_layers + args.num_nextn_predict_layers)
+    if not layers:
+        return rules
+    copies = {"tok_embeddings.weight": [f"model.layers.{i}.embed_tokens.weight" for i in layers],
+              "output.weight": [f"model.layers.{i}.shared_head.head.weight" for i in layers]}
+    if args.tie_embeddings:  # one tensor: every copy comes from the embedding's rule
+        copies = {"tok_embeddings.weight": copies["tok_embeddings.weight"] + copies["output.weight"]}
+    out = []
+    for rule in rules:
+        extra = copies.get(rule.quadra)
+        if extra and not (args.tie_embeddings and rule.quadra == "output.weight"):
+            rule = Rule(rule.quadra, rule.hf + tuple(extra), lambda ts, f=rule.to_quadra, n=len(rule.hf): f(ts[:n]),
+                        lambda t, f=rule.to_hf, m=len(extra): _with_copies(f(t), m))
+        out.append(rule)
+    return out
+
+
+def _with_copies(tensors: list, m: int) -> list:
+    """``tensors`` and ``m`` copies of the first (own memory: safetensors refuses shared storage)."""
+    return list(tensors) + [tensors[0].clone() for _ in range(m)]
+
+
+def args_for_weights(args, names: set[str]):
+    """``HFAdapter.args_for_weights``: transformers' ``DeepseekV3Config`` says num_nextn_predict_layers
+    = 1 by default while ``DeepseekV3ForCausalLM`` saves no MTP layer, so a checkpoint without any
+    MTP layer's ``eh_proj`` is read without MTP.
+
+    Raises:
+        HFConfigError: only some of the MTP layers config.json names are present.
+    """
+    depths = args.num_nextn_predict_layers
+    present = [f"model.layers.{args.n_layers + k}.eh_proj.weight" in names for k in range(depths)]
+    if all(present):
+        return args
+    require(not any(present), "config.json", f"num_nextn_predict_layers = {depths} but the checkpoint holds "
+                                             f"{sum(present)} MTP layers' eh_proj; give all or none")
+    return dataclasses.replace(args, num_nextn_predict_layers=0)
 
 
 DEEPSEEK_V3_HF_ADAPTER = HFAdapter(model_types=("deepseek_v3",), args_from_config=args_from_config,
-                                   config_from_args=config_from_args, weight_rules=weight_rules)
+                                   config_from_args=config_from_args, weight_rules=weight_rules,
+                                   args_for_weights=args_for_weights)
