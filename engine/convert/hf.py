@@ -28,7 +28,8 @@ import torch.distributed.checkpoint as dcp
 
 from engine.checkpoint import files
 from engine.checkpoint.files import CheckpointError
-from engine.convert.hf_adapter import args_from_hf_config, generation_config, hf_config_from_args, weight_rules
+from engine.convert.hf_adapter import (args_for_weights, args_from_hf_config, generation_config, hf_config_from_args,
+                                       weight_rules)
 from engine.checkpoint.state import MODEL_KEY, quiet_single_process, saved_model_keys
 from engine.convert.tools import DTYPES, check_intact, write_model_only
 
@@ -111,6 +112,7 @@ def import_hf_model(hf_dir: str, checkpoint_dir: str) -> dict:
                               "model folder with config.json and *.safetensors") from None
     name, args = args_from_hf_config(config, config_path)
     source = _SafetensorsFolder(hf_dir)
+    args = args_for_weights(name, args, set(source.file_of))
     rules = {rule.quadra: rule for rule in weight_rules(name, args)}
     expected = _expected_shapes(name, args)
     assert set(rules) == set(expected), sorted(set(rules) ^ set(expected))  # weight_rules covers the model

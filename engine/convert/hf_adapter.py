@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 from engine.checkpoint.files import CheckpointError
 
-__all__ = ["args_from_hf_config", "hf_config_from_args", "weight_rules", "generation_config"]
+__all__ = ["args_from_hf_config", "hf_config_from_args", "weight_rules", "generation_config", "args_for_weights"]
 
 
 @contextmanager
@@ -60,6 +60,20 @@ def hf_config_from_args(name: str, args, *, dtype: str, bos_id: int | None, eos_
     """
     with _as_checkpoint_error():
         return _adapter(name).config_from_args(args, dtype=dtype, bos_id=bos_id, eos_id=eos_id)
+
+
+def args_for_weights(name: str, args, weight_names: set[str]):
+    """The model arguments of a checkpoint's weights (``HFAdapter.args_for_weights``; ``args``
+    unchanged when the family gives none).
+
+    Raises:
+        CheckpointError: weights the family cannot read as any model of ``args``'s kind.
+    """
+    adapter = _adapter(name)
+    if adapter.args_for_weights is None:
+        return args
+    with _as_checkpoint_error():
+        return adapter.args_for_weights(args, weight_names)
 
 
 def weight_rules(name: str, args) -> list:
