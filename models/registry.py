@@ -95,6 +95,9 @@ class ModelSpec:
         ffn_activations: `fn(model_args, layer) -> models.planning.FeedForwardActivations`, what
             block ``layer``'s feed-forward keeps per token; None means every block is
             ``ffn_width`` wide and routes nothing.
+        prediction_blocks: `fn(model_args) -> tuple[int, ...]`, the block (layer) ids of further
+            prediction depths on the last stage, each a block with its own input and loss head
+            (DeepSeek-V3's multi-token prediction); None: none.
     All callables may be given as "module:attribute" names (:meth:`ModelSpec.get`).
     """
 
@@ -110,6 +113,7 @@ class ModelSpec:
     expert_routing: Any = None
     attention_activations: Any = None
     ffn_activations: Any = None
+    prediction_blocks: Any = None
 
     def get(self, field: str) -> Any:
         """The object spec field ``field`` names (:func:`load_ref`).

@@ -27,5 +27,6 @@ register_model_spec(
         expert_routing="models.deepseek_v3.planning:deepseek_v3_routing",
         attention_activations="models.deepseek_v3.planning:deepseek_v3_attention_activations",
         ffn_activations="models.deepseek_v3.planning:deepseek_v3_ffn_activations",
+        prediction_blocks="models.deepseek_v3.planning:deepseek_v3_prediction_blocks",
     )
 )

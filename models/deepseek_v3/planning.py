@@ -15,7 +15,7 @@ from models.planning import AttentionActivations, ExpertRouting, FeedForwardActi
 
 __all__ = ["deepseek_v3_param_shapes", "deepseek_v3_flops_per_token", "deepseek_v3_ffn_width",
            "deepseek_v3_routing", "deepseek_v3_attention_activations",
-           "deepseek_v3_ffn_activations"]
+           "deepseek_v3_ffn_activations", "deepseek_v3_prediction_blocks"]
 
 
 def _mla(args, layer: int, p: str) -> list[ParamSpec]:
@@ -113,6 +113,12 @@ def deepseek_v3_attention_activations(args) -> AttentionActivations:
                            (dim, h * v, False))
     return AttentionActivations(heads=h, qk_head_dim=qk, v_head_dim=v, split=2 * h * qk + 2 * h * v,
                                 replicated=replicated, matmuls=matmuls, backward=2 * h * qk + 3 * h * v)
+
+
+def deepseek_v3_prediction_blocks(args) -> tuple[int, ...]:
+    """``ModelSpec.prediction_blocks``: the MTP depths' blocks, numbered n_layers + k as in
+    models/deepseek_v3/mtp.py (each also has its input projection and its own loss)."""
+    return tuple(range(args.n_layers, args.n_layers + args.num_nextn_predict_layers))
 
 
 def deepseek_v3_ffn_activations(args, layer: int) -> FeedForwardActivations:
