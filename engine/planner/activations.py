@@ -219,6 +219,26 @@ def saved_per_microbatch(layout, pp_rank: int = 0) -> int:
     return sum(block_activation_bytes(layout, ac, i) for i in layers)
 
 
+def prediction_depth_bytes(layout) -> int:
+    """Bytes the last stage's further prediction depths (``ModelSpec.prediction_blocks``: DeepSeek-V3's
+    multi-token prediction, models/deepseek_v3/mtp.py) keep per microbatch, each: its block without
+    AC (it is outside the checkpointed ``layers``), its input, 8·[T, h] (the shifted tokens'
+    embedding, two RMSNorms' input, normalized tensor and output less the shared one, their
+    concatenation of 2h), and its loss's tensors kept from the forward: with the fused loss its norm
+    (2·[T, h]), G_h [T, h] and G_W [V/t, h] fp32 (engine/planner/loss_memory.py), else its norm and
+    the log-probabilities, fp32 [T, V/t] (log-softmax's backward needs only its output)."""
+    spec = layout.model_spec
+    if spec.prediction_blocks is None:
+        return 0
+    a, T, bb = layout.model_args, _tokens(layout), layout.param_bytes
+    if layout.cfg.loss.chunk_tokens > 0:
+        loss = T * 3 * a.dim * bb + a.vocab_size // layout.tp * a.dim * 4
+    else:
+        loss = T * 2 * a.dim * bb + T * (a.vocab_size // layout.tp) * 4
+    return sum(block_activation_bytes(layout, "none", layer) + T * 8 * a.dim * bb + loss
+               for layer in spec.get("prediction_blocks")(a))
+
+
 def microbatches_in_flight(layout, pp_rank: int = 0) -> int:
     """Microbatches whose activations pp rank ``pp_rank`` holds at once: 1 without PP, M under GPipe
     (all forwards first), min(M, pp - pp_rank) under 1F1B-style schedules, times the local stages."""
@@ -253,6 +273,8 @@ def activation_bytes(layout, pp_rank: int = 0) -> int:
         head = head_peak_bytes(layout)
         if layout.cfg.loss.chunk_tokens <= 0:  # the fused loss keeps no [T, V] tensor (loss_memory.py)
             head += (in_flight // len(stages) - 1) * 2 * _tokens(layout) * (a.vocab_size // layout.tp) * 4
+    if has_last:
+        per_mb += prediction_depth_bytes(layout)
     peak = per_mb * in_flight + max(head, backward) + document_mask_bytes(layout, n_layers, in_flight)
     if any(first for _, first, _ in stages) and layout.pp_microbatches > 1:
         # the first microbatch's backward ends at the embedding: the later ones' blocks stay saved
