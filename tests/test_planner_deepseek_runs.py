@@ -3,7 +3,8 @@ on the CPU, the MoE blocks' routed copies; models/deepseek_v3/planning.py) again
 runs of its debug flavors: the planner's ``activation_bytes`` within 10 % of the peak of MemTracker's
 ACT + TEMP + OTH in the second step (tests/planner_runs.py), without AC, with full AC, with the
 per-op policy, and the query latent left out (``debugmodel_noqlora``); and on both ranks of tp 2
-with sequence parallel (MLA's heads split, its latents replicated)."""
+with sequence parallel (MLA's heads split, its latents replicated); with two multi-token-prediction
+depths (``debugmodel_mtp``)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,16 @@ pytestmark = pytest.mark.slow  # training runs in a forked process
 
 ACTIVATION_TOLERANCE = 0.10
 DEEPSEEK = {"model.name": "deepseek_v3", "model.flavor": "debugmodel"}
+MTP = {**DEEPSEEK, "model.flavor": "debugmodel_mtp", "loss.mtp_weight": "0.3"}
 LAYOUTS = {  # name: (world_size, overrides)
     "ds_ac_none": (1, DEEPSEEK),
     "ds_noqlora_ac_none": (1, {**DEEPSEEK, "model.flavor": "debugmodel_noqlora"}),
     "ds_ac_full": (1, {**DEEPSEEK, "activation_checkpoint.mode": "full"}),
     "ds_ac_op": (1, {**DEEPSEEK, "activation_checkpoint.mode": "selective"}),
+    # two MTP depths: their blocks (outside AC), inputs and losses on top, fused and unfused
+    "ds_mtp_ac_none": (1, {**MTP}),
+    "ds_mtp_ac_full": (1, {**MTP, "activation_checkpoint.mode": "full"}),
+    "ds_mtp_unfused_loss": (1, {**MTP, "loss.chunk_tokens": 0}),
     "ds_tp2_sp": (2, {**DEEPSEEK, "parallelism.dp_shard": 1, "parallelism.tp": 2, "training.local_batch_size": 4}),
 }
 
