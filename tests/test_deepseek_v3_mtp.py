@@ -167,3 +167,35 @@ def test_hf_checkpoint_mtp_layer_imports_and_exports_bitwise(tmp_path, capsys):
     assert not unequal, unequal[:3]
     assert json.load(open(f"{back_dir}/config.json"))["num_nextn_predict_layers"] == 1
     del transformers
+
+
+def test_trainer_logs_mtp_loss_beside_the_objective(tmp_path):
+    """One training step of the MTP flavor: ``mtp_loss`` (each depth's mean token cross entropy,
+    averaged over depths) reaches the step's logged metrics, near ln(vocab) at initialization, and
+    the objective is the main loss plus weight times the depths' token sums over the step's tokens."""
+    import math
+
+    from engine.config import load_config
+    from engine.train.trainer import Trainer
+    from tests.training_utils import base_args
+
+    records = {}
+    for weight in ("0.0", "0.3"):
+        cfg = load_config(base_args(str(tmp_path / weight), {"model.name": "deepseek_v3",
+                                                             "model.flavor": "debugmodel_mtp",
+                                                             "loss.mtp_weight": weight, "training.steps": 1}))
+        cfg.validate()
+        trainer = Trainer(cfg)
+        try:
+            records[weight] = trainer.train_step()
+        finally:
+            trainer.close()
+    plain, with_mtp = records["0.0"], records["0.3"]
+    logged = with_mtp["model_metrics"]["mtp_loss"]
+    assert abs(logged - math.log(4096)) < 1.0, logged
+    assert plain["model_metrics"]["mtp_loss"] == pytest.approx(logged, rel=1e-6)  # computed, not weighed in
+    # the depths have S - 1 and S - 2 targets per sequence of S: their token sums over the step's
+    # label tokens are that share of the mean
+    seq = 32
+    share = sum((seq - k) / seq for k in (1, 2)) / 2
+    assert with_mtp["loss"] - plain["loss"] == pytest.approx(0.3 * logged * share, rel=1e-3)
