@@ -12,4 +12,16 @@ for i in "${!args[@]}"; do
   next=${args[$((i + 1))]:-}
   if [ "${args[$i]}" = "--durations" ] && ! [[ $next =~ ^[0-9]+$ ]]; then args[$i]="--durations=20"; fi
 done
-exec "$QUADRA_PYTHON" -m pytest -q --durations=20 ${args[@]+"${args[@]}"}
+# Two pytest workers (pytest-xdist, in the dev extra), each taking whole test files: most tests run
+# one single-threaded process and would leave the second core idle, and a file's module fixtures (a
+# batch of layouts trained in one set of ranks) must run once, not once per worker. Files go out in
+# tests/conftest.py's order (the slow ones first), not xdist's default (most tests first). -n 0: one process.
+workers=()
+if [ "$(nproc 2>/dev/null || echo 1)" -ge 2 ]; then
+  if "$QUADRA_PYTHON" -c "import xdist" 2>/dev/null; then
+    workers=(-n 2 --dist loadfile --no-loadscope-reorder)
+  else
+    echo "quadra: pytest-xdist is not installed: the tests run on one core (pip install -e \".[dev]\")" >&2
+  fi
+fi
+exec "$QUADRA_PYTHON" -m pytest -q --durations=20 ${workers[@]+"${workers[@]}"} ${args[@]+"${args[@]}"}
