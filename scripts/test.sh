@@ -5,6 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/bootstrap.sh
+# The cores this process may use; GNU nproc reports OMP_NUM_THREADS instead where it is set.
+cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 1)
 export OMP_NUM_THREADS=1 HF_DATASETS_OFFLINE=1
 args=("$@")
 for i in "${!args[@]}"; do
@@ -17,7 +19,7 @@ done
 # batch of layouts trained in one set of ranks) must run once, not once per worker. Files go out in
 # tests/conftest.py's order (the slow ones first), not xdist's default (most tests first). -n 0: one process.
 workers=()
-if [ "$(nproc 2>/dev/null || echo 1)" -ge 2 ]; then
+if [ "$cores" -ge 2 ]; then
   if "$QUADRA_PYTHON" -c "import xdist" 2>/dev/null; then
     workers=(-n 2 --dist loadfile --no-loadscope-reorder)
   else
