@@ -20,9 +20,13 @@ from tests.training_utils import MAX_NORM, base_args, clipping_sides, train_and_
 
 
 def pytest_collection_modifyitems(config, items):
-    """Run tests/test_gpu.py last: the other tests fork CPU workers, which must not start from a
-    process that has initialized CUDA (a forked child cannot use it, and may fail touching it)."""
-    items.sort(key=lambda item: item.nodeid.startswith("tests/test_gpu.py"))
+    """Run the files with slow tests (multi-process training) first, then the others, tests/test_gpu.py
+    last. GPU last: the other tests fork CPU workers, which must not start from a process that has
+    initialized CUDA (a forked child cannot use it, and may fail touching it). Slow files first: the
+    two workers of scripts/test.sh take whole files in this order, so the long ones start early and
+    the short ones fill the end instead of one worker finishing a long file while the other idles."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: (item.nodeid.startswith("tests/test_gpu.py"), item.path not in slow_files))
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ import pytest
 from engine.parity.compare import (clipping_sides, engaging_max_norm, history_differences,
                                    parameter_differences, tolerance)
 from engine.parity.layouts import LayoutError, auto_layouts, parse_layout, fit_batch
+from tests.dist_utils import run_distributed
 from tests.training_utils import MAX_NORM, REPO, base_args
 
 SCRIPT = os.path.join(REPO, "scripts", "parity.py")
@@ -143,18 +144,32 @@ def test_float64_mode_refuses_what_it_cannot_do(overrides, words):
     assert "\n" not in str(error.value)
 
 
+def _train(argv: list[str]) -> None:
+    from engine.config import load_config
+    from engine.train.trainer import Trainer
+
+    trainer = Trainer(load_config(argv))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+
+
 @pytest.mark.slow  # runs through the launcher (see pyproject.toml)
 def test_replay_resumes_the_newest_checkpoint_before_the_step(tmp_path):
     """A 4-step run saving at step 2, replayed to step 4 under fsdp2: every run starts from step-2 and
     trains steps 3-4 with the run's schedule (training.steps stays 5), the one-process replay gives
     the run's own logged losses (resume is exact) and fsdp2 agrees with it."""
-    from engine.parity.runs import launch
+    from engine.parity.runs import read_history
 
     argv = ["--job.config_file", os.path.join(REPO, "train_configs", "debug_model.toml"),
             *[a for a in base_args(str(tmp_path / "run"))], "--training.stop_after_step", "4",
             "--checkpoint.interval", "2", "--validation.enable", "false", "--parallelism.dp_shard", "1"]
-    run = launch(argv, {}, 1, str(tmp_path / "run"))
-    assert run.error is None and len(run.history) == 4, run.error
+    # The run to replay, in a forked process (its folder is what a launched run leaves: the Trainer
+    # writes config.toml, metrics.jsonl and the checkpoints); the replay below goes through the launcher.
+    run_distributed(_train, 1, argv, torchrun_env=False)
+    history = read_history(str(tmp_path / "run"))
+    assert len(history) == 4, history
     report = tmp_path / "replay.json"
     proc = subprocess.run([sys.executable, SCRIPT, "--replay", str(tmp_path / "run"), "--step", "4",
                            "--layouts", "fsdp2", "--json", str(report)], cwd=REPO, capture_output=True, text=True,
@@ -163,7 +178,7 @@ def test_replay_resumes_the_newest_checkpoint_before_the_step(tmp_path):
     assert "from its checkpoint step-2 to step 4" in proc.stdout
     rows = json.loads(report.read_text())["layouts"]
     assert [row["layout"] for row in rows] == ["original run", "fsdp2"]
-    assert [tuple(h) for h in rows[0]["history"]] == run.history[2:] and rows[0]["loss"] == 0.0, rows[0]
+    assert [tuple(h) for h in rows[0]["history"]] == history[2:] and rows[0]["loss"] == 0.0, rows[0]
     assert len(rows[1]["history"]) == 2 and rows[1]["passed"], rows[1]
 
 
