@@ -19,6 +19,38 @@ from tests.dist_utils import run_distributed
 from tests.training_utils import MAX_NORM, base_args, clipping_sides, train_and_record
 
 
+@pytest.fixture(autouse=True)
+def _alone_when_timed(request):
+    """Under scripts/test.sh's two pytest-xdist workers, a test marked ``timing`` (it asserts on
+    measured times: the pipeline bubble, the step's time split) runs while the other worker waits, so
+    that the second worker's processes do not inflate what it measures; the other tests share.
+
+    A fair readers-writer lock on two files (flock(2), released by the kernel if a worker dies): every
+    test passes a turnstile, then holds the room shared (a timed test: exclusive); a timed test keeps
+    the turnstile while it waits for the room, so the other worker cannot start another test and
+    starve it. Without xdist there is nothing to wait for.
+    """
+    uid = getattr(request.config, "workerinput", {}).get("testrunuid")
+    if uid is None:
+        yield
+        return
+    import fcntl
+    import tempfile
+
+    base = os.path.join(tempfile.gettempdir(), f"quadra-tests-{uid}")
+    timed = request.node.get_closest_marker("timing") is not None
+    with open(base + ".turnstile", "a") as turnstile, open(base + ".room", "a") as room:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(room, fcntl.LOCK_EX if timed else fcntl.LOCK_SH)
+        if not timed:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(room, fcntl.LOCK_UN)
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+
+
 def pytest_collection_modifyitems(config, items):
     """Run the files with slow tests (multi-process training) first, then the others, tests/test_gpu.py
     last. GPU last: the other tests fork CPU workers, which must not start from a process that has

@@ -51,6 +51,7 @@ def _logged_times(folder: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_logged_steps_carry_the_split(tmp_path):
     results = run_distributed(_logged_times, 2, str(tmp_path), timeout=300)
     for name, (_, dim) in LAYOUTS.items():

@@ -137,6 +137,7 @@ def _train_with_validation(argv):
     return val_loss, [h.get("pp_bubble_fraction") for h in history]
 
 
+@pytest.mark.timing
 def test_validation_and_bubble_through_the_pipeline(tmp_path):
     # debugmodel, not the suite's tiny flavor: microbatches long enough for the bubble to be timed
     val_args = {"validation.enable": "true", "validation.path": SMALL_CORPUS, "validation.steps": 2,
