@@ -86,7 +86,33 @@ def range_problems(cfg) -> list[str]:
     for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
         degree = getattr(p, name)
         checks.append((degree < 1, f"parallelism.{name}", degree, "must be >= 1 (1 disables it)"))
-    return [f"{key} = {toml_value(value)}: {fix}" for bad, key, value, fix in checks if bad] + _mixture_problems(cfg)
+    checks += optimizer_problems(o) + [(cfg.loss.z_loss_weight < 0, "loss.z_loss_weight", cfg.loss.z_loss_weight,
+                                        "must be >= 0 (0: off; PaLM used 1e-4)")]
+    return ([f"{key} = {toml_value(value)}: {fix}" for bad, key, value, fix in checks if bad] + _mixture_problems(cfg)
+            + _param_group_problems(o))
+
+
+def optimizer_problems(o) -> list[tuple[bool, str, Any, str]]:
+    """Range checks of the Muon keys of ``[optimizer]`` (engine/train/muon.py)."""
+    coefficients = o.muon_ns_coefficients.split(",")
+    numbers = len(coefficients) == 3 and all(re.fullmatch(r"\s*[-+]?[0-9.]+(e[-+]?[0-9]+)?\s*", c) for c in coefficients)
+    return [
+        (not 0 <= o.muon_momentum < 1, "optimizer.muon_momentum", o.muon_momentum, "must be in [0, 1), e.g. 0.95"),
+        (not 1 <= o.muon_ns_steps < 100, "optimizer.muon_ns_steps", o.muon_ns_steps, "must be in [1, 100), e.g. 5"),
+        (not numbers, "optimizer.muon_ns_coefficients", o.muon_ns_coefficients,
+         'must be three comma-separated numbers a,b,c, e.g. "3.4445,-4.7750,2.0315"'),
+    ]
+
+
+def _param_group_problems(o) -> list[str]:
+    """``optimizer.param_groups`` syntax (whether each rule matches a parameter is checked by the pre-flight)."""
+    from engine.train.param_groups import ParamGroupError, parse_rules
+
+    try:
+        parse_rules(list(o.param_groups), o.name)
+    except ParamGroupError as error:
+        return [str(error)]
+    return []
 
 
 def _mixture_problems(cfg) -> list[str]:

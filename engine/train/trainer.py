@@ -102,7 +102,8 @@ class Trainer:
         self.runner = self._build_runner()
         self.recorder = StepRecorder(cfg.record, self.run_folder, self.model_parts, self.parallel_dims,
                                      self.context_parallel, self.dist.rank)
-        self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
+        self.optimizer = build_optimizer(self.model_parts, cfg.optimizer,
+                                         whole_model=not self.parallel_dims.pp_enabled)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.step = 0
         self.tokens_seen = 0
