@@ -104,8 +104,9 @@ def sharded_matrix_dims(param: Tensor) -> tuple[int, ...]:
     if mesh is None:
         return ()
     ndim = param.ndim
+    # Shard and _StridedShard (FSDP2 over tensor parallel; not a Shard subclass) both carry ``dim``.
     return tuple(i for i, pl in enumerate(placements)
-                 if pl.is_shard() and pl.dim % ndim >= ndim - 2)  # type: ignore[attr-defined]
+                 if getattr(pl, "dim", None) is not None and pl.dim % ndim >= ndim - 2)  # type: ignore[attr-defined]
 
 
 def _local(t: Tensor) -> Tensor:
@@ -132,24 +133,28 @@ class _Owners:
 
 def _orthogonalise_sharded(update: Tensor, param: Tensor, dims: tuple[int, ...], owner: tuple[int, ...],
                            ns) -> Tensor:
-    """The local piece of NS(whole matrix): gather whole, NS on the owner, broadcast, slice."""
+    """This rank's piece of NS(whole matrices) for ``update`` (this rank's piece, placed as ``param``):
+    gather whole along the mesh dims ``dims`` (those sharding a matrix dim; a dim sharding experts
+    stays sharded), NS on the ``owner`` (its coordinates on ``dims``), broadcast along ``dims``, slice."""
     from torch.distributed.tensor import DTensor, Replicate
 
     mesh, placements = _placements(param)
-    whole = DTensor.from_local(update, mesh, placements, shape=param.shape, stride=param.stride()).full_tensor()
+    whole_placements = [Replicate() if d in dims else pl for d, pl in enumerate(placements)]
+    sharded = DTensor.from_local(update, mesh, placements, shape=param.shape, stride=param.stride())
+    whole = sharded.redistribute(mesh, whole_placements)
     mine = mesh.get_coordinate()
-    is_owner = all(mine[d] == c for d, c in zip(dims, owner))
-    if is_owner:
-        result = _orthogonalise_whole(whole, ns)
+    if all(mine[d] == c for d, c in zip(dims, owner)):
+        result = _orthogonalise_whole(whole.to_local(), ns)
     else:
-        result = torch.empty(whole.shape, dtype=ns["dtype"], device=whole.device)
-    # bfloat16 travels as float32 (exact both ways): not every backend reduces/broadcasts bfloat16.
-    wire = result.float() if result.dtype == torch.bfloat16 else result
+        result = torch.empty(whole.to_local().shape, dtype=ns["dtype"], device=update.device)
+    # bfloat16 travels as float32 (exact both ways): not every backend broadcasts bfloat16. Contiguous:
+    # a tall matrix's result is a transposed view, which a collective would send in memory order.
+    wire = (result.float() if result.dtype == torch.bfloat16 else result).contiguous()
     for d, c in zip(dims, owner):  # after dim d, every rank matching the owner on the later dims has it
         dist.broadcast(wire, group=mesh.get_group(d), group_src=c)
-    result = wire.to(ns["dtype"])
-    replicated = DTensor.from_local(result, mesh, [Replicate()] * mesh.ndim, run_check=False)
-    return replicated.redistribute(mesh, placements).to_local()
+    result = DTensor.from_local(wire.to(ns["dtype"]), mesh, whole_placements, shape=param.shape,
+                                stride=whole.stride())
+    return result.redistribute(mesh, placements).to_local()
 
 
 def _orthogonalise_whole(update: Tensor, ns) -> Tensor:

@@ -1,0 +1,112 @@
+"""Muon under sharded layouts (engine/train/muon.py), in 4 gloo processes: FSDP2 rows (uneven), tensor
+parallel columns, both on a 2-D mesh, HSDP (replicated x sharded), FSDP2 over tensor parallel (the
+real ``fully_shard`` of a ``ColwiseParallel`` weight: a strided shard), expert weights sharded on the
+expert dim (local experts) and inside each expert. Every parameter after 3 steps equals, bitwise, one
+process's Muon on the whole matrices, and the Newton–Schulz work is spread over the ranks."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+
+STEPS = 3
+
+
+def _full(shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _layouts():
+    """(name, global shape, mesh dim names, placements) of the hand-made DTensor parameters."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    return [
+        ("fsdp_rows_uneven", (26, 16), ("world",), (Shard(0),)),
+        ("tp_columns", (16, 20), ("tp",), (Shard(1),)),
+        ("fsdp_x_tp", (24, 20), ("dp", "tp"), (Shard(0), Shard(1))),
+        ("hsdp", (24, 16), ("dp", "tp"), (Replicate(), Shard(0))),
+        ("experts_local", (4, 12, 8), ("world",), (Shard(0),)),
+        ("experts_split", (2, 12, 8), ("dp", "tp"), (Shard(0), Shard(1))),
+    ]
+
+
+def _muon_group(params, **extra):
+    from engine.train.muon import DEFAULT_NS_COEFFICIENTS, NS_EPS
+
+    return {"params": params, "algorithm": "muon", "name": "muon", "lr": 0.02, "weight_decay": 0.1,
+            "momentum": 0.95, "nesterov": True, "ns_coefficients": DEFAULT_NS_COEFFICIENTS, "ns_steps": 5,
+            "eps": NS_EPS, "adjust_lr_fn": "match_rms_adamw", "ns_dtype": "bfloat16", **extra}
+
+
+def _rank_run():
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    import engine.train.muon as muon
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    world = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
+    meshes = {("world",): world, ("tp",): mesh["tp"], ("dp", "tp"): mesh}
+    params, fulls = [], []
+    for i, (name, shape, dims, placements) in enumerate(_layouts()):
+        full = _full(shape, i)
+        params.append(nn.Parameter(distribute_tensor(full, meshes[dims], list(placements))))
+        fulls.append(full)
+    # FSDP2 over tensor parallel: fully_shard's own placements of a column-parallel weight.
+    block = nn.Sequential(nn.Linear(16, 24, bias=False))
+    with torch.no_grad():
+        block[0].weight.copy_(_full((24, 16), 99))
+    parallelize_module(block, mesh["tp"], {"0": ColwiseParallel()})
+    fully_shard(block, mesh=mesh["dp"])
+    params.append(block[0].weight)
+    fulls.append(_full((24, 16), 99))
+    placements = [str(p.placements) for p in params]
+
+    optimizer = muon.MuonWithAdamW([_muon_group(params)], {})
+    reference = [nn.Parameter(f.clone()) for f in fulls]
+    ref_state: dict = defaultdict(dict)
+    calls = {"n": 0}
+    original = muon.zeropower_via_newtonschulz
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return original(*args, **kwargs)
+
+    for step in range(STEPS):
+        for i, (p, r) in enumerate(zip(params, reference)):
+            grad = _full(r.shape, 1000 * step + i)
+            r.grad = grad.clone()
+            p.grad = DTensor.from_local(grad, p.device_mesh, [Replicate()] * p.device_mesh.ndim,
+                                        run_check=False).redistribute(p.device_mesh, p.placements)
+        muon.zeropower_via_newtonschulz = counted
+        optimizer.step()
+        muon.zeropower_via_newtonschulz = original
+        with torch.no_grad():  # plain tensors: one process
+            muon.muon_group_step(_muon_group(reference), ref_state, muon._Owners())
+    same = [bool(torch.equal(p.full_tensor(), r.detach())) for p, r in zip(params, reference)]
+    return {"same": same, "calls": calls["n"], "placements": placements}
+
+
+@pytest.mark.slow  # 4 processes
+def test_muon_under_sharded_layouts_equals_one_process_bitwise():
+    results = run_distributed(_rank_run, 4, timeout=240)
+    names = [name for name, *_ in _layouts()] + ["fsdp_over_tp_colwise"]
+    for rank, result in enumerate(results):
+        failed = [n for n, ok in zip(names, result["same"]) if not ok]
+        assert not failed, (rank, failed, result["placements"])
+    assert "_StridedShard" in results[0]["placements"][-1] or "Shard" in results[0]["placements"][-1]
+    # Each whole matrix is orthogonalised once per group of ranks holding its pieces: fsdp rows 1,
+    # tp columns 1 per dp row (2), fsdp x tp 1, hsdp 1 per replica (2), split experts 2 (one each),
+    # fsdp over tp 1, local experts 4 (each rank its own) = 13 per step; every rank repeating every
+    # matrix would make 4 x 7 + 4 = 32.
+    per_rank = [r["calls"] / STEPS for r in results]
+    assert sum(per_rank) == 13, per_rank
