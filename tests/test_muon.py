@@ -94,3 +94,72 @@ def test_muon_step_is_torch_muon_plus_adamw_bitwise(nesterov, adjust):
         for (name, got), want in zip(model.named_parameters(), reference.parameters()):
             assert torch.equal(got, want), (step, name, (got - want).abs().max())
     assert all("momentum_buffer" in optimizer.state[p] for p in model.parameters() if p.ndim == 3)
+
+
+def test_param_group_rules_take_counts_and_log_them_once(caplog):
+    """First match wins: rule 2 ("layers.*") gets only what rules 0 and 1 left of the blocks."""
+    rules = ["tok_embeddings.weight lr_mult=0.5 weight_decay=0", "layers.*.attention.w* optimizer=adamw",
+             "layers.* lr_mult=2"]
+    with caplog.at_level(logging.INFO, logger="quadra"):
+        optimizer = build_optimizer([_Model()], _cfg(param_groups=rules))
+    names = {g["name"]: len(g["params"]) for g in optimizer.param_groups}
+    # rule 1: wq, wo (decay) and wo's bias (no decay) of both blocks; rule 2: the experts (Muon), the
+    # routers (AdamW matrices), the norms; the default: the output head and the final norm.
+    assert names == {"rule0.adamw": 1, "rule1.adamw.decay": 4, "rule1.adamw.no_decay": 2, "rule2.muon.decay": 2,
+                     "rule2.adamw.decay": 2, "rule2.adamw.no_decay": 2, "decay": 1, "no_decay": 1}, names
+    lines = [r.getMessage() for r in caplog.records if "param groups" in r.getMessage()]
+    assert len(lines) == 1, lines
+    for part in ("rule 0 (tok_embeddings.weight) adamw: 1 parameters", "rule 1 (layers.*.attention.w*) adamw: 6 "
+                 "parameters", "rule 2 (layers.*) muon: 2 parameters", "rule 2 (layers.*) adamw: 4 parameters",
+                 "default adamw: 2 parameters"):
+        assert part in lines[0], (part, lines[0])
+    group = next(g for g in optimizer.param_groups if g["name"] == "rule0.adamw")
+    assert group["lr"] == 0.01 and group["lr_mult"] == 0.5 and group["weight_decay"] == 0
+
+
+@pytest.mark.parametrize("rule, words", [
+    ("layers.*.atention.wq.weight", "matches no parameter"),          # a typo: no silent default
+    ("output.weight lr=2", "is not one of lr_mult=F"),
+    ("output.weight optimizer=sgd", "is not muon or adamw"),
+    ("output.weight lr_mult=0", "must be > 0"),
+])
+def test_a_bad_or_unmatched_rule_is_refused_in_one_line(rule, words):
+    with pytest.raises(ParamGroupError, match=words) as error:
+        build_optimizer([_Model()], _cfg(param_groups=["output.weight", rule]))
+    assert "\n" not in str(error.value)
+
+
+def test_unmatched_rule_is_refused_by_the_preflight_and_the_config():
+    from engine.config import ConfigError, load_config
+    from engine.launch.preflight import check_setup
+
+    cfg = load_config(["--model.flavor", "debugmodel_tiny", "--optimizer.param_groups", "layers.*.atention.*"])
+    with pytest.raises(ParamGroupError, match="'layers.*.atention.*' matches no parameter"):
+        check_setup(cfg, 1, "cpu", check_data=False)
+    with pytest.raises(ConfigError, match="optimizer=muon needs"):
+        load_config(["--optimizer.param_groups", "output.weight optimizer=muon"]).validate()
+
+
+@pytest.mark.parametrize("name", ["AdamW", "Muon"])
+def test_lr_multiplier_is_seen_in_the_applied_update(name):
+    """Same gradients, weight decay 0: the update of a rule's parameters is lr_mult x the default's, also
+    after the LR scheduler (which keeps the multiplier: every group peaks at lr_mult x optimizer.lr)."""
+    from engine.config.schema import LRSchedulerSection
+    from engine.train.lr_scheduler import build_lr_scheduler
+
+    deltas = []
+    for rules in ([], ["layers.0.* lr_mult=0.25"]):
+        torch.manual_seed(0)
+        model = _Model()
+        optimizer = build_optimizer([model], _cfg(name=name, weight_decay=0.0, param_groups=rules))
+        scheduler = build_lr_scheduler(optimizer, LRSchedulerSection(warmup_steps=2), training_steps=10)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        for step in range(3):
+            for n, p in model.named_parameters():
+                p.grad = _grads(model, step)[n]
+            optimizer.step()
+            scheduler.step()
+        deltas.append({n: p.detach() - before[n] for n, p in model.named_parameters()})
+    for n in deltas[0]:
+        want = deltas[0][n] * (0.25 if n.startswith("layers.0.") else 1.0)
+        torch.testing.assert_close(deltas[1][n], want, rtol=1e-4, atol=1e-7, msg=n)
