@@ -6,7 +6,10 @@ process's Muon on the whole matrices, and the Newton–Schulz work is spread ove
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections import defaultdict
 
 import pytest
@@ -123,7 +126,7 @@ def test_muon_checkpoint_resumes_bitwise_and_on_another_layout(tmp_path):
                                         copy_checkpoint, read_checkpoint, train_run, write_tiny_corpus)
 
     corpus = write_tiny_corpus(str(tmp_path))
-    muon = {"optimizer.name": "Muon", "optimizer.muon_ns_dtype": "float32"}
+    muon = {"optimizer.name": "Muon", "optimizer.muon_ns_dtype": "float32", "loss.z_loss_weight": "0.001"}
     fsdp2 = {**muon, "parallelism.dp_shard": 2, "training.local_batch_size": 4}
     full_folder, resumed_folder, single_folder = (str(tmp_path / n) for n in ("full", "resumed", "single"))
     full = run_distributed(train_run, 2, ckpt_args(full_folder, corpus, fsdp2), None, None)[0]
@@ -140,3 +143,28 @@ def test_muon_checkpoint_resumes_bitwise_and_on_another_layout(tmp_path):
                                 None, None, torchrun_env=False)
     assert single["start_step"] == STOP
     assert_losses_close(single["losses"], after, rel=1e-5)
+    # The z-loss is logged on its own (its share of the logged loss, which includes it).
+    records = [json.loads(line) for line in open(os.path.join(full_folder, "metrics.jsonl"), encoding="utf-8")]
+    train = [r for r in records if r.get("kind") == "train"]
+    assert train and all(0 < r["z_loss"] < r["loss"] for r in train), train[:2]
+
+
+@pytest.mark.slow  # the launcher, 1 + 4 + 2 processes
+def test_muon_and_z_loss_float64_sweep_matches_to_1e12(tmp_path):
+    """./scripts/parity.py --precision fp64 with Muon and the z-loss: FSDP2 x TP (strided shards, the
+    vocab-sharded fused loss) and a pipeline agree with one process to 1e-12 with clipping engaged.
+    (tests/test_muon_parallel.py's first test covers the other placements bitwise.)"""
+    from tests.training_utils import REPO, base_args
+
+    argv = [a for a in base_args(str(tmp_path / "unused"), {"optimizer.name": "Muon", "loss.z_loss_weight": "0.001",
+                                                            "training.max_norm": "0.405"}) if a]
+    report = tmp_path / "parity.json"
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "parity.py"), "--config",
+                           os.path.join(REPO, "train_configs", "debug_model.toml"), "--layouts", "fsdp2xtp2,pp2:1F1B",
+                           "--precision", "fp64", "--keep_max_norm", "--json", str(report), *argv],
+                          cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(report.read_text())
+    assert result["precision"] == "float64" and result["clipping"]["engaged"], result["clipping"]
+    for row in result["layouts"]:
+        assert row["passed"] and max(row["loss"], row["grad_norm"], row["params"]) <= 1e-12, row

@@ -86,8 +86,12 @@ def range_problems(cfg) -> list[str]:
     for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
         degree = getattr(p, name)
         checks.append((degree < 1, f"parallelism.{name}", degree, "must be >= 1 (1 disables it)"))
-    checks += optimizer_problems(o) + [(cfg.loss.z_loss_weight < 0, "loss.z_loss_weight", cfg.loss.z_loss_weight,
-                                        "must be >= 0 (0: off; PaLM used 1e-4)")]
+    z = cfg.loss.z_loss_weight
+    checks += optimizer_problems(o) + [
+        (z < 0, "loss.z_loss_weight", z, "must be >= 0 (0: off; PaLM used 1e-4)"),
+        (z > 0 and p.tp > 1 and p.loss_parallel and cfg.loss.chunk_tokens == 0, "loss.z_loss_weight", z,
+         "with tp > 1 needs the fused loss (loss.chunk_tokens > 0, vocab-sharded) or parallelism.loss_parallel = false"),
+    ]
     return ([f"{key} = {toml_value(value)}: {fix}" for bad, key, value, fix in checks if bad] + _mixture_problems(cfg)
             + _param_group_problems(o))
 

@@ -48,7 +48,7 @@ class ZLoss:
 
 
 def model_loss(model, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor | float = 1.0,
-               *, chunk_tokens: int = 0, **model_kwargs) -> torch.Tensor:
+               *, chunk_tokens: int = 0, z_loss=None, **model_kwargs) -> torch.Tensor:
     """The loss of a whole model (or a pipeline stage with the output head) on one microbatch.
 
     ``chunk_tokens > 0`` (``[loss] chunk_tokens``): the model fuses its output projection with the
@@ -61,11 +61,12 @@ def model_loss(model, inputs: torch.Tensor, labels: torch.Tensor, global_tokens:
             loss_chunk_tokens=..., **model_kwargs)``.
         inputs, labels: LongTensor [B, S]; global_tokens: see :func:`token_sum_loss`.
         model_kwargs: the model's other keyword inputs (document masking's ids and positions).
+        z_loss: the unfused loss's :class:`ZLoss` (the fused one reads the model's ``z_loss`` attribute).
     """
     if chunk_tokens > 0:
         token_sum = model(inputs, labels=labels, loss_chunk_tokens=chunk_tokens, **model_kwargs)
         return fused_stage_loss(token_sum, labels, global_tokens)
-    return token_sum_loss(model(inputs, **model_kwargs), labels, global_tokens)
+    return token_sum_loss(model(inputs, **model_kwargs), labels, global_tokens, z_loss=z_loss)
 
 
 def fused_stage_loss(token_sum: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor | float = 1.0) -> torch.Tensor:
