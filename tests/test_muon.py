@@ -163,3 +163,75 @@ def test_lr_multiplier_is_seen_in_the_applied_update(name):
     for n in deltas[0]:
         want = deltas[0][n] * (0.25 if n.startswith("layers.0.") else 1.0)
         torch.testing.assert_close(deltas[1][n], want, rtol=1e-4, atol=1e-7, msg=n)
+
+
+RULES = "tok_embeddings.weight lr_mult=0.5,layers.0.* optimizer=adamw"  # a mixed split (comma: two rules)
+
+
+@pytest.mark.parametrize("model_name", ["llama", "moe"])
+def test_planner_optimizer_bytes_are_the_real_state(model_name):
+    """engine/planner's optimizer bytes for Muon with mixed groups equal, byte for byte, the tensors a
+    real optimizer holds after a step (momentum buffers, Adam moments and steps), one process."""
+    from engine.config import load_config
+    from engine.planner.layout import Layout
+    from engine.planner.memory import state_bytes
+    from tests.training_utils import base_args
+
+    cfg = load_config(base_args("/tmp/unused", {"model.name": model_name, "optimizer.name": "Muon",
+                                                "optimizer.param_groups": RULES, "training.global_batch_size": -1}))
+    cfg.validate()
+    layout = Layout.from_config(cfg, 1, "cpu")
+    spec = layout.model_spec
+    model = spec.get("model_cls")(layout.model_args)
+    optimizer = build_optimizer([model], cfg.optimizer)
+    assert {g["name"] for g in optimizer.param_groups} >= {"rule0.adamw.decay", "rule1.adamw.decay", "muon"}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    real = sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
+               if torch.is_tensor(t))
+    assert state_bytes(layout).optimizer == real
+
+
+@pytest.mark.slow  # builds every rank's plan under the fake process group
+@pytest.mark.parametrize("world, overrides", [
+    (4, {"parallelism.dp_shard": 2, "parallelism.tp": 2}),
+    (2, {"model.name": "moe", "parallelism.dp_shard": 2, "parallelism.ep": 2}),
+])
+def test_planner_optimizer_bytes_equal_the_real_plan_under_muon(world, overrides):
+    from engine.config import load_config
+    from engine.planner.layout import Layout
+    from engine.planner.memory import state_bytes
+    from tests.planner_runs import real_plan_states
+    from tests.training_utils import base_args
+
+    cfg = load_config(base_args("/tmp/unused", {"optimizer.name": "Muon", "optimizer.param_groups": RULES,
+                                                "training.global_batch_size": -1, **overrides}))
+    cfg.validate()
+    layout = Layout.from_config(cfg, world, "cpu")
+    for rank, (coords, real) in enumerate(real_plan_states(cfg, world, list(range(world)))):
+        assert state_bytes(layout, coords) == real, (rank, coords)
+
+
+def test_planner_counts_muon_gathers_and_broadcasts_per_mesh_dim():
+    """fsdp2 x tp2: every hidden matrix is sharded over tp and over FSDP, so each dim gathers and
+    broadcasts every whole matrix once per step (fp32 on the wire); AdamW has no broadcast."""
+    import math
+
+    from engine.config import load_config
+    from engine.planner.comm import comm_bytes
+    from engine.planner.layout import Layout
+    from tests.training_utils import base_args
+
+    def comm(name):
+        cfg = load_config(base_args("/tmp/unused", {"optimizer.name": name, "parallelism.dp_shard": 2,
+                                                    "parallelism.tp": 2, "training.global_batch_size": -1}))
+        layout = Layout.from_config(cfg, 4, "cpu")
+        return layout, comm_bytes(layout)
+
+    layout, muon = comm("Muon")
+    _, adamw = comm("AdamW")
+    hidden = sum(math.prod(p.shape) for p in layout.params if p.layer is not None and len(p.shape) == 2)
+    for dim in ("tp", "dp_shard_cp"):
+        assert muon[dim]["kinds"]["broadcast"] == 4 * hidden and "broadcast" not in adamw[dim]["kinds"]
+        assert muon[dim]["kinds"]["all_gather"] - adamw[dim]["kinds"].get("all_gather", 0) == 4 * hidden
