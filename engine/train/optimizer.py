@@ -236,5 +236,5 @@ def _log_rule_counts(named: list[tuple[str, nn.Parameter]], rules: list, optimiz
         label += f" {key[1]}"
         n, elements = counts.get(label, (0, 0))
         counts[label] = (n + 1, elements + p.numel())
-    logger.info("optimizer param groups: %s", "; ".join(f"{label}: {n} parameters ({e:,} elements)"
+    logger.info("optimizer param groups (this rank's parameters): %s", "; ".join(f"{label}: {n} parameters ({e:,} elements)"
                                                         for label, (n, e) in counts.items()))
