@@ -235,3 +235,18 @@ def test_planner_counts_muon_gathers_and_broadcasts_per_mesh_dim():
     for dim in ("tp", "dp_shard_cp"):
         assert muon[dim]["kinds"]["broadcast"] == 4 * hidden and "broadcast" not in adamw[dim]["kinds"]
         assert muon[dim]["kinds"]["all_gather"] - adamw[dim]["kinds"].get("all_gather", 0) == 4 * hidden
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["--optimizer.muon_momentum", "1.5"], "optimizer.muon_momentum = 1.5: must be in [0, 1)"),
+    (["--optimizer.muon_ns_coefficients", "3.4,-4.7"], "optimizer.muon_ns_coefficients"),
+    (["--optimizer.muon_ns_steps", "0"], "optimizer.muon_ns_steps = 0"),
+    (["--loss.z_loss_weight", "-1"], "loss.z_loss_weight = -1"),
+    (["--loss.z_loss_weight", "1e-4", "--parallelism.tp", "2", "--loss.chunk_tokens", "0"], "needs the fused loss"),
+])
+def test_bad_muon_and_z_loss_settings_are_refused_in_one_line(overrides, words):
+    from engine.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace(")", r"\)").replace("(", r"\(")) as error:
+        load_config(overrides).validate()
+    assert "\n" not in str(error.value)
