@@ -35,7 +35,7 @@ __all__ = ["IGNORE_INDEX", "linear_cross_entropy_sum"]
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                             chunk_tokens: int) -> torch.Tensor:
+                             chunk_tokens: int, z_loss_weight: float = 0.0, z_loss_out=None) -> torch.Tensor:
     """Σ over label tokens of cross entropy (nats) of ``hidden @ weight.T``, never holding all logits.
 
     Equal to ``F.cross_entropy((hidden @ weight.T).float(), labels, reduction="sum",
@@ -49,6 +49,10 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels:
             ``Shard(0)`` DTensor on the tp mesh (vocab rows sharded).
         labels: LongTensor [B, S] target ids, -100 where a token has no label.
         chunk_tokens: tokens per chunk (> 0): at most [chunk_tokens, V / tp] logits exist at a time.
+        z_loss_weight: PaLM's z-loss (Chowdhery et al. 2022, Sec. 5): adds ``z_loss_weight * lse^2``
+            per label token (lse: the log-sum-exp of the token's logits over the whole vocabulary, so
+            the same under tensor parallel); its logit gradient is ``2 w lse softmax``. 0: off.
+        z_loss_out: None, or a callable given the (detached, 0-dim) z-loss token sum, to log it apart.
 
     Returns:
         0-dim fp32 tensor, the token sum (the same value on every tp rank).
@@ -69,7 +73,10 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels:
     want_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     hidden_2d = hidden.flatten(0, -2)
     with torch.no_grad():
-        loss, grads = _fused_forward(hidden_2d, weight, labels.flatten(), chunk_tokens, group, vocab_start, want_grads)
+        loss, grads, z_sum = _fused_forward(hidden_2d, weight, labels.flatten(), chunk_tokens, group, vocab_start,
+                                            want_grads, z_loss_weight)
+    if z_loss_out is not None and z_loss_weight:
+        z_loss_out(z_sum)
     if not want_grads:
         return loss
     # Two autograd nodes, one per input: a pipeline schedule that splits the backward (zero bubble:
@@ -95,9 +102,10 @@ def _local_operands(hidden, weight):
     return local_hidden, mesh.get_group(), mesh.get_local_rank() * local_weight.shape[0], local_weight
 
 
-def _fused_forward(hidden, weight, labels, chunk_tokens, group, vocab_start, want_grads):
-    """hidden [N, dim], weight [V_local, dim], labels [N] -> (Σ cross entropy, 0-dim fp32; with
-    ``want_grads`` (G_h [N, dim], G_W [V_local, dim] fp32) for an incoming gradient of 1, else None)."""
+def _fused_forward(hidden, weight, labels, chunk_tokens, group, vocab_start, want_grads, z_loss_weight=0.0):
+    """hidden [N, dim], weight [V_local, dim], labels [N] -> (Σ cross entropy + z-loss, 0-dim fp32; with
+    ``want_grads`` (G_h [N, dim], G_W [V_local, dim] fp32) for an incoming gradient of 1, else None;
+    the z-loss sum alone)."""
     n, rows = hidden.shape[0], weight.shape[0]
     local_labels = labels - vocab_start
     valid = labels != IGNORE_INDEX
@@ -112,11 +120,12 @@ def _fused_forward(hidden, weight, labels, chunk_tokens, group, vocab_start, wan
     for start in range(0, n, chunk_tokens):
         end = min(start + chunk_tokens, n)
         lse[start:end] = _chunk(hidden[start:end], weight, local_labels[start:end], owned[start:end],
-                                valid[start:end], target[start:end], group,
+                                valid[start:end], target[start:end], group, z_loss_weight,
                                 None if grads is None else (grads[0][start:end], grads[1]))
     if group is not None:
         dist.all_reduce(target, group=group)  # the target logit is on the rank that owns it
-    return ((lse - target) * valid).sum(), grads
+    z_sum = z_loss_weight * (lse.square() * valid).sum()
+    return ((lse - target) * valid).sum() + z_sum, grads, z_sum
 
 
 def _take(holder: dict, key: str) -> torch.Tensor:
@@ -152,7 +161,7 @@ class _WeightGradient(torch.autograd.Function):
         return _take(ctx.holder, "weight").mul_(grad_loss).to(ctx.holder["weight_dtype"]), None
 
 
-def _chunk(hidden, weight, local_labels, owned, valid, target, group, grads):
+def _chunk(hidden, weight, local_labels, owned, valid, target, group, z_loss_weight, grads):
     """One chunk of c tokens: write the target logits into ``target`` [c] (0 where another tp rank
     owns the label), return the log-sum-exp [c] over the whole vocabulary, and with ``grads``
     (views of G_h [c, dim] and of G_W [V_local, dim]) add this chunk's gradients for an incoming
@@ -169,7 +178,10 @@ def _chunk(hidden, weight, local_labels, owned, valid, target, group, grads):
     if grads is None:
         return lse
     grad_hidden, grad_weight = grads
-    probs.mul_(torch.exp(peak.squeeze(1) - lse)[:, None])  # softmax over the whole vocabulary
+    scale = torch.exp(peak.squeeze(1) - lse)  # softmax over the whole vocabulary
+    if z_loss_weight:  # d(w lse^2)/d logits = 2 w lse softmax
+        scale = scale * (1 + 2 * z_loss_weight * lse)
+    probs.mul_(scale[:, None])
     probs[torch.arange(probs.shape[0], device=probs.device), local_labels] -= owned.to(probs.dtype)
     probs.mul_(valid[:, None])  # ignored tokens: no gradient
     grad_logits = probs.to(logits.dtype)

@@ -50,7 +50,7 @@ def _args(argv):
     p.add_argument("--steps", type=int, default=5, help="optimizer steps per run (default %(default)s)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "fp64"), help="fp32: the config's "
                    "dtypes, relative tolerance 1e-5 at step 1, 1e-4 after; fp64: every run in the float64 reference "
-                   "mode (training.mixed_precision_param/_reduce = float64), tolerance 1e-12")
+                   "mode (training.mixed_precision_param/_reduce and optimizer.muon_ns_dtype = float64), tolerance 1e-12")
     p.add_argument("--procs", type=int, default=0, help="process budget of --layouts auto (default: the "
                    f"visible GPUs, else {CPU_PROCESS_BUDGET})")
     p.add_argument("--keep_max_norm", action="store_true", help="when training.max_norm clips no step, only "
@@ -159,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.locate:  # checked with the config: a compiled run cannot be recorded (engine/config/validation.py)
         base += ["--record.step", str(start_step + 1)]
     if a.precision == "fp64":
-        base += ["--training.mixed_precision_param", "float64", "--training.mixed_precision_reduce", "float64"]
+        # Muon's Newton-Schulz too (bfloat16 by default): else one rounding flip in bfloat16 is 4e-3.
+        base += ["--training.mixed_precision_param", "float64", "--training.mixed_precision_reduce", "float64",
+                 "--optimizer.muon_ns_dtype", "float64"]
     import torch
 
     from engine.config import ConfigError, load_config

@@ -163,10 +163,10 @@ ENGINE_LAYERS: dict[str, set[str]] = {
     "observe": set(),
     "config": {"data"},
     "checkpoint": {"config"},
-    "setup": {"checkpoint", "data"},
+    "setup": {"checkpoint", "config", "data"},
     "train": {"checkpoint", "config", "data", "observe", "setup"},
     "convert": {"checkpoint", "config", "data", "setup"},
-    "planner": {"observe", "setup"},
+    "planner": {"config", "observe", "setup"},
     "parity": {"config", "convert", "setup"},
     "launch": {"config", "observe", "planner", "setup"},
 }

@@ -33,7 +33,8 @@ training.mixed_precision_reduce training.gc_freq training.stop_after_step
 step_health.on_nonfinite step_health.loss_spike_sigma step_health.grad_norm_spike_sigma step_health.window
 step_health.max_consecutive_skips
 optimizer.name optimizer.lr optimizer.beta1 optimizer.beta2 optimizer.eps optimizer.weight_decay
-optimizer.implementation
+optimizer.implementation optimizer.muon_momentum optimizer.muon_nesterov optimizer.muon_ns_steps
+optimizer.muon_ns_coefficients optimizer.muon_adjust_lr optimizer.muon_ns_dtype optimizer.param_groups
 lr_scheduler.warmup_steps lr_scheduler.decay_type lr_scheduler.decay_ratio lr_scheduler.min_lr
 parallelism.dp_replicate parallelism.dp_shard parallelism.cp parallelism.cp_rotate_method
 parallelism.cp_load_balance parallelism.tp parallelism.pp
@@ -50,7 +51,7 @@ metrics.log_freq metrics.enable_tensorboard metrics.save_tb_folder metrics.peak_
 metrics.log_all_ranks metrics.time_attribution
 activation_checkpoint.mode activation_checkpoint.selective_ac_option
 compile.enable compile.backend
-loss.chunk_tokens
+loss.z_loss_weight loss.chunk_tokens
 loss.mtp_weight
 profiling.enable profiling.start_step profiling.num_steps profiling.traces_folder profiling.memory_snapshot
 document_mask.enable document_mask.restart_positions

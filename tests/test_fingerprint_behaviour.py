@@ -46,6 +46,7 @@ CKPT = {"checkpoint.enable": True}
 FLOAT64 = {"training.mixed_precision_param": "float64", "training.mixed_precision_reduce": "float64"}
 SPIKE_WINDOW = {"step_health.window": 2}  # spikes are judged from step 3 on (2 accepted steps)
 
+MUON = {"optimizer.name": "Muon"}  # the context the Muon keys act in
 SPECS: dict[str, Spec] = {
     # convergence: the model
     "model.name": Spec({"model.name": "moe"}),
@@ -73,6 +74,13 @@ SPECS: dict[str, Spec] = {
     "optimizer.beta2": Spec({"optimizer.beta2": 0.5}),
     "optimizer.eps": Spec({"optimizer.eps": 1e-6}),
     "optimizer.weight_decay": Spec({"optimizer.weight_decay": 0.0}),
+    "optimizer.muon_momentum": Spec({"optimizer.muon_momentum": 0.5}, MUON),
+    "optimizer.muon_nesterov": Spec({"optimizer.muon_nesterov": False}, MUON),
+    "optimizer.muon_ns_steps": Spec({"optimizer.muon_ns_steps": 3}, MUON),
+    "optimizer.muon_ns_coefficients": Spec({"optimizer.muon_ns_coefficients": "3.0,-3.0,1.0"}, MUON),
+    "optimizer.muon_adjust_lr": Spec({"optimizer.muon_adjust_lr": "original"}, MUON),
+    "optimizer.param_groups": Spec({"optimizer.param_groups": ["*norm* lr_mult=0.5"]}),
+    "loss.z_loss_weight": Spec({"loss.z_loss_weight": 0.01}),
     "lr_scheduler.warmup_steps": Spec({"lr_scheduler.warmup_steps": 2}),
     "lr_scheduler.decay_type": Spec({"lr_scheduler.decay_type": "constant"}),
     "lr_scheduler.decay_ratio": Spec({"lr_scheduler.decay_ratio": 0.67}, {"lr_scheduler.decay_type": "wsd"}),
@@ -102,6 +110,9 @@ SPECS: dict[str, Spec] = {
     "training.mixed_precision_reduce": Spec(FLOAT64),
     "optimizer.implementation": Spec({"optimizer.implementation": "foreach"}),  # auto: fused on the CPU
     "loss.chunk_tokens": Spec({"loss.chunk_tokens": 0}),
+    # float32 against float64 Newton-Schulz: the default bfloat16 iteration rounds beyond the fp32
+    # tolerance (README, Optimizers), as bfloat16 mixed precision does.
+    "optimizer.muon_ns_dtype": Spec({"optimizer.muon_ns_dtype": "float64"}, {**MUON, "optimizer.muon_ns_dtype": "float32"}),
     # execution, one process
     "job.config_file": Spec({"job.config_file": f"{F}/description.toml"}),
     "job.dump_folder": Spec({"job.dump_folder": f"{RUN_FOLDER}/elsewhere"}),

@@ -195,3 +195,37 @@ def test_fused_run_equals_unfused_run(reference, tmp_path):
     assert [s for s, _ in reference.validation] == [s for s, _ in unfused.validation]
     for (step, loss), (_, ref_loss) in zip(reference.validation, unfused.validation):
         assert math.isclose(loss, ref_loss, rel_tol=1e-6), f"validation after step {step}: {loss} vs {ref_loss}"
+
+
+def test_z_loss_fused_equals_unfused_in_value_and_gradients():
+    """PaLM's z-loss (weight x logsumexp^2 per label token) inside the chunked loss equals the unfused
+    loss's at fp32 tolerance, value and both gradients, and the value is the formula's (fp64)."""
+    from engine.train.loss import ZLoss, token_sum_loss
+    from models.linear_cross_entropy import linear_cross_entropy_sum
+
+    weight_z = 0.01
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 10, 16, generator=gen)
+    weight = torch.randn(50, 16, generator=gen)
+    labels = torch.randint(0, 50, (2, 10), generator=gen)
+    labels[0, :3] = -100
+    results = []
+    for fused in (True, False):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        z = ZLoss(weight_z)
+        if fused:
+            loss = linear_cross_entropy_sum(h, w, labels, chunk_tokens=7, z_loss_weight=weight_z, z_loss_out=z.add)
+        else:
+            loss = token_sum_loss(h @ w.T, labels, z_loss=z)
+        loss.backward()
+        results.append((loss.detach(), z.take(), h.grad, w.grad))
+    for got, want in zip(results[0], results[1]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    logits = (hidden @ weight.T).double()
+    valid = labels != -100
+    lse = torch.logsumexp(logits, dim=-1)
+    z_want = weight_z * (lse.square() * valid).sum()
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    assert z_want > 0.1  # the term is not negligible at this weight
+    torch.testing.assert_close(results[0][1].double(), z_want, rtol=1e-5, atol=0)
+    torch.testing.assert_close(results[0][0].double(), ce + z_want, rtol=1e-5, atol=0)

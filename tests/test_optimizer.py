@@ -118,7 +118,7 @@ def test_fused_rejects_unsupported_params():
 
 
 @pytest.mark.parametrize("overrides, match", [
-    ({"name": "SGD"}, r"optimizer.name='SGD'.*\['AdamW', 'Adam'\]"),
+    ({"name": "SGD"}, r"optimizer.name='SGD'.*\['AdamW', 'Adam', 'Muon'\]"),
     ({"implementation": "cuda-graph"}, r"optimizer.implementation='cuda-graph'.*foreach"),
     ({"lr": 0.0}, "optimizer.lr=0.0"),
     ({"beta2": 1.0}, "optimizer.beta2=1.0"),

@@ -38,18 +38,20 @@ _CLASSES: dict[str, dict[str, tuple[str, ...]]] = {
         "model": ("name", "flavor", "args_path", "tokenizer_path", "vocab_size", "tie_embeddings"),
         "data": ("path", "text_column", "split", "streaming", "shuffle", "mixture"),
         "training": ("steps", "global_batch_size", "seq_len", "max_norm", "seed"),
-        "optimizer": ("name", "lr", "beta1", "beta2", "eps", "weight_decay"),
+        "optimizer": ("name", "lr", "beta1", "beta2", "eps", "weight_decay", "muon_momentum", "muon_nesterov",
+                      "muon_ns_steps", "muon_ns_coefficients", "muon_adjust_lr", "param_groups"),
         "lr_scheduler": ("warmup_steps", "decay_type", "decay_ratio", "min_lr"),
         "checkpoint": ("initial_load_path", "initial_load_model_only"),
         # Which updates are applied: a skipped step trains nothing, so the same data gives another model.
         "step_health": ("on_nonfinite", "loss_spike_sigma", "grad_norm_spike_sigma", "window"),
         "document_mask": ("enable", "restart_positions"),  # what each token attends to, its positions
-        "loss": ("mtp_weight",),  # adds the multi-token-prediction terms to the objective
+        # z-loss and the multi-token-prediction terms are added to the objective.
+        "loss": ("z_loss_weight", "mtp_weight"),
     },
     NUMERICS: {
         "job": ("device",),
         "training": ("deterministic", "mixed_precision_param", "mixed_precision_reduce"),
-        "optimizer": ("implementation",),
+        "optimizer": ("implementation", "muon_ns_dtype"),
         "compile": ("enable", "backend"),
         "loss": ("chunk_tokens",),
     },
@@ -83,7 +85,11 @@ KEY_CLASS: dict[str, str] = {
 # Convergence keys of features added after runs were fingerprinted: at these values (the feature off)
 # they stay out of the hash, so a run that does not use the feature keeps the fingerprint it had
 # before the key existed (its checkpoints resume without a "changed fingerprint" warning).
-NEUTRAL_WHEN = {"document_mask.enable": False, "document_mask.restart_positions": False, "loss.mtp_weight": 0.0}
+NEUTRAL_WHEN = {"document_mask.enable": False, "document_mask.restart_positions": False,
+                "optimizer.muon_momentum": 0.95, "optimizer.muon_nesterov": True, "optimizer.muon_ns_steps": 5,
+                "optimizer.muon_ns_coefficients": "3.4445,-4.7750,2.0315",
+                "optimizer.muon_adjust_lr": "match_rms_adamw", "optimizer.param_groups": [],
+                "loss.z_loss_weight": 0.0, "loss.mtp_weight": 0.0}
 
 GLOBAL_BATCH = "training.global_batch_size"
 # What sets the global batch when training.global_batch_size = -1 (local_batch_size x dp degree).

@@ -132,9 +132,10 @@ class StepHealthSection:
 
 @dataclass
 class OptimizerSection:
-    """``[optimizer]``: AdamW hyperparameters (Loshchilov & Hutter 2019)."""
+    """``[optimizer]``: AdamW (Loshchilov & Hutter 2019) or Muon hyperparameters, and param group rules."""
 
-    name: str = _opt("AdamW", "optimizer name (see engine/train/optimizer.py)")
+    name: str = _opt("AdamW", "AdamW|Adam|Muon (Muon: Muon on hidden weight matrices, AdamW with the keys above "
+                     "on the rest; engine/train/muon.py)", choices=("AdamW", "Adam", "Muon"))
     lr: float = _opt(8e-4, "peak learning rate (reached at the end of warmup)")
     beta1: float = _opt(0.9, "Adam first-moment decay")
     beta2: float = _opt(0.95, "Adam second-moment decay")
@@ -143,6 +144,20 @@ class OptimizerSection:
     implementation: str = _opt("auto", "auto|fused|foreach|for-loop (auto: fused where torch has the "
                                "kernel for the parameters' device and dtype, else foreach)",
                                choices=("auto", "fused", "foreach", "for-loop"))
+    # Muon's defaults: momentum, Nesterov, steps and coefficients from Keller Jordan's Muon post (as
+    # torch.optim.Muon's); the lr adjustment from Moonlight (Liu et al. 2025, Sec. 2.2).
+    muon_momentum: float = _opt(0.95, "Muon momentum (Jordan et al. 2024; Liu et al. 2025)")
+    muon_nesterov: bool = _opt(True, "Muon: Nesterov momentum (Jordan et al. 2024)")
+    muon_ns_steps: int = _opt(5, "Muon: Newton-Schulz iterations (Jordan et al. 2024)")
+    muon_ns_coefficients: str = _opt("3.4445,-4.7750,2.0315", "Muon: Newton-Schulz quintic coefficients a,b,c "
+                                     "(Jordan et al. 2024)")
+    muon_adjust_lr: str = _opt("match_rms_adamw", "Muon lr per matrix: match_rms_adamw (0.2 sqrt(max(A,B)), "
+                               "Liu et al. 2025: reuse AdamW's lr and weight decay) or original "
+                               "(sqrt(max(1,A/B)), Jordan et al. 2024)", choices=("match_rms_adamw", "original"))
+    muon_ns_dtype: str = _opt("bfloat16", "Muon: dtype of the Newton-Schulz iteration (bfloat16 as torch.optim.Muon; "
+                              "float64 for the float64 reference mode)", choices=("bfloat16", "float32", "float64"))
+    param_groups: list[str] = _opt([], 'rules "PATTERN [lr_mult=F] [weight_decay=F] [optimizer=muon|adamw]", '
+                                   "first match wins, PATTERN an fnmatch over parameter names (engine/config/param_groups.py)")
 
 
 @dataclass
@@ -263,6 +278,8 @@ class LossSection:
     """``[loss]``: how the token-sum cross entropy is computed (models/linear_cross_entropy.py) and
     what further terms the objective adds (multi-token prediction, arXiv 2412.19437 §2.2)."""
 
+    z_loss_weight: float = _opt(0.0, "PaLM's z-loss (Chowdhery et al. 2022, Sec. 5): adds weight x logsumexp(logits)^2 "
+                                "per token to the loss (e.g. 1e-4); 0: off")
     chunk_tokens: int = _opt(256, "> 0: fused output projection + cross entropy over chunks of this many tokens, "
                              "so at most [chunk_tokens, vocab / tp] logits exist at a time; 0: full logits (unfused)")
     mtp_weight: float = _opt(0.0, "multi-token prediction (models with MTP modules, e.g. deepseek_v3's "

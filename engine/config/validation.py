@@ -14,6 +14,20 @@ from engine.config.toml_format import toml_value
 from engine.config.schema import CheckpointSection
 
 
+def loss_problems(loss, p) -> list[tuple[bool, str, Any, str]]:
+    """``[loss]``'s checks, (bad?, key, value, rule and fix) each; ``p``: the ``[parallelism]`` section."""
+    z = loss.z_loss_weight
+    return [
+        (loss.chunk_tokens < 0, "loss.chunk_tokens", loss.chunk_tokens,
+         "must be >= 0 tokens (0: the unfused loss over full logits; e.g. 256)"),
+        (not 0 <= loss.mtp_weight < float("inf"), "loss.mtp_weight", loss.mtp_weight,
+         "must be a finite number >= 0 (0: no multi-token-prediction loss; DeepSeek-V3 used 0.3, then 0.1)"),
+        (z < 0, "loss.z_loss_weight", z, "must be >= 0 (0: off; PaLM used 1e-4)"),
+        (z > 0 and p.tp > 1 and p.loss_parallel and loss.chunk_tokens == 0, "loss.z_loss_weight", z,
+         "with tp > 1 needs the fused loss (loss.chunk_tokens > 0, vocab-sharded) or parallelism.loss_parallel = false"),
+    ]
+
+
 def range_problems(cfg) -> list[str]:
     """Range and consistency checks; each entry is (bad?, key, value, rule and fix)."""
     t, o, s = cfg.training, cfg.optimizer, cfg.lr_scheduler
@@ -64,10 +78,6 @@ def range_problems(cfg) -> list[str]:
         (cfg.record.step < 0, "record.step", cfg.record.step, "must be >= 0 (0: off; K: record optimizer step K)"),
         (cfg.record.step > 0 and not cfg.record.folder.strip(), "record.folder", cfg.record.folder,
          'must name a folder, e.g. "record"'),
-        (cfg.loss.chunk_tokens < 0, "loss.chunk_tokens", cfg.loss.chunk_tokens,
-         "must be >= 0 tokens (0: the unfused loss over full logits; e.g. 256)"),
-        (not 0 <= cfg.loss.mtp_weight < float("inf"), "loss.mtp_weight", cfg.loss.mtp_weight,
-         "must be a finite number >= 0 (0: no multi-token-prediction loss; DeepSeek-V3 used 0.3, then 0.1)"),
     ]
     fp64 = (t.mixed_precision_param == "float64", t.mixed_precision_reduce == "float64")
     checks.append((fp64[0] != fp64[1], "training.mixed_precision_reduce", t.mixed_precision_reduce,
@@ -90,7 +100,32 @@ def range_problems(cfg) -> list[str]:
     for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
         degree = getattr(p, name)
         checks.append((degree < 1, f"parallelism.{name}", degree, "must be >= 1 (1 disables it)"))
-    return [f"{key} = {toml_value(value)}: {fix}" for bad, key, value, fix in checks if bad] + _mixture_problems(cfg)
+    checks += optimizer_problems(o) + loss_problems(cfg.loss, p)
+    return ([f"{key} = {toml_value(value)}: {fix}" for bad, key, value, fix in checks if bad] + _mixture_problems(cfg)
+            + _param_group_problems(o))
+
+
+def optimizer_problems(o) -> list[tuple[bool, str, Any, str]]:
+    """Range checks of the Muon keys of ``[optimizer]`` (engine/train/muon.py)."""
+    coefficients = o.muon_ns_coefficients.split(",")
+    numbers = len(coefficients) == 3 and all(re.fullmatch(r"\s*[-+]?[0-9.]+(e[-+]?[0-9]+)?\s*", c) for c in coefficients)
+    return [
+        (not 0 <= o.muon_momentum < 1, "optimizer.muon_momentum", o.muon_momentum, "must be in [0, 1), e.g. 0.95"),
+        (not 1 <= o.muon_ns_steps < 100, "optimizer.muon_ns_steps", o.muon_ns_steps, "must be in [1, 100), e.g. 5"),
+        (not numbers, "optimizer.muon_ns_coefficients", o.muon_ns_coefficients,
+         'must be three comma-separated numbers a,b,c, e.g. "3.4445,-4.7750,2.0315"'),
+    ]
+
+
+def _param_group_problems(o) -> list[str]:
+    """``optimizer.param_groups`` syntax (whether each rule matches a parameter is checked by the pre-flight)."""
+    from engine.config.param_groups import ParamGroupError, parse_rules
+
+    try:
+        parse_rules(list(o.param_groups), o.name)
+    except ParamGroupError as error:
+        return [str(error)]
+    return []
 
 
 def _mixture_problems(cfg) -> list[str]:

@@ -27,6 +27,8 @@ microbatch, B the compute dtype's bytes):
   counts; exact for the mean over ep ranks (a rank's combine follows the routing).
 - ``pp``: per microbatch and stage boundary one send and one recv of the activation (forward) and of
   its gradient (backward).
+- Muon (``optimizer.name = "Muon"``): each sharded matrix gathered whole and its orthogonalised form
+  broadcast back, along each mesh dim that shards it (engine/planner/optimizer_state.py).
 - scalars: the step's token count and loss (``dp_cp``), one 8-byte norm partial per mesh dim that
   shards gradients, the loss over stages (``pp``).
 Recomputation (full AC, every N-th block, and the per-op policies, which rerun the whole block with
@@ -39,12 +41,14 @@ Measured on the CPU runs of tests/test_planner_runs.py for tp; cp and ep under A
 
 from __future__ import annotations
 
+from engine.planner.optimizer_state import muon_comm
+
 from engine.planner.params import rank_params
 from engine.planner.params import padded_numel
 
 _RING = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
          "all_to_all": lambda n: (n - 1) / n, "all_reduce": lambda n: 2 * (n - 1) / n,
-         "send": lambda n: 1.0, "recv": lambda n: 1.0}
+         "send": lambda n: 1.0, "recv": lambda n: 1.0, "broadcast": lambda n: 1.0}
 
 
 class _Tally:
@@ -157,6 +161,7 @@ def comm_bytes(layout, coords: dict | None = None) -> dict[str, dict]:
         tally.add("pp", "recv", n_mb * per_mb / 2)
         tally.add("pp", "all_reduce", 12)  # gradient norm partial (8) and the loss over stages (4)
     tally.add("dp_cp", "all_reduce", 8)  # the step's token count and loss
+    muon_comm(layout, rank_params(layout, coords), tally)  # Muon's whole-matrix gathers (optimizer_state.py)
     return tally.dims
 
 

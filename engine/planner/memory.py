@@ -2,7 +2,8 @@
 
 State (exact, tests/test_planner.py checks it equal to the real plan and tests/test_planner_runs.py to
 what CPU runs hold): the fp32 master parameters' local shards (engine/planner/params.py), gradients
-of the same shapes, AdamW's two moments of the same shapes plus one 4-byte ``step`` per tensor.
+of the same shapes, AdamW's two moments of the same shapes plus one 4-byte ``step`` per tensor, or Muon's
+one momentum buffer (engine/planner/optimizer_state.py, by ``optimizer.name`` and ``param_groups``).
 
 Activations: engine/planner/activations.py (Korthikanti et al. 2022, per block, per AC mode, with
 the microbatches a pipeline stage holds in flight).
@@ -39,7 +40,8 @@ from dataclasses import dataclass
 from engine.planner.activations import activation_bytes, block_activation_bytes  # noqa: F401  (re-exported)
 from engine.planner.activations import microbatches_in_flight, saved_per_microbatch
 from engine.planner.params import padded_numel, rank_params
-from engine.planner.real_plan import STEP_TENSOR_BYTES, StateBytes
+from engine.planner.optimizer_state import optimizer_bytes
+from engine.planner.real_plan import StateBytes
 from engine.planner.reduction import reduction_bytes
 
 
@@ -79,7 +81,8 @@ def state_bytes(layout, coords: dict | None = None) -> StateBytes:
     params = rank_params(layout, coords)
     elements = sum(p.local_numel for p in params)
     nbytes = 4 * elements
-    return StateBytes(params=nbytes, grads=nbytes, optimizer=2 * nbytes + STEP_TENSOR_BYTES * len(params),
+    named = [(p.spec.name, len(p.spec.shape), p.local_numel) for p in params]
+    return StateBytes(params=nbytes, grads=nbytes, optimizer=optimizer_bytes(named, layout.cfg.optimizer),
                       n_tensors=len(params), param_elements=elements)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
-STEP_TENSOR_BYTES = 4  # AdamW's per-parameter fp32 ``step`` tensor
+from engine.planner.optimizer_state import STEP_TENSOR_BYTES
 
 
 @dataclass(frozen=True)
@@ -46,18 +46,26 @@ class StateBytes:
         return self.params + self.grads + self.optimizer
 
 
-def state_bytes_of_params(params) -> StateBytes:
-    """:class:`StateBytes` of an iterable of (possibly DTensor) parameters, from their local shards."""
+def state_bytes_of_params(params, optimizer_cfg=None) -> StateBytes:
+    """:class:`StateBytes` of (possibly DTensor) parameters, from their local shards: ``params`` plain
+    (AdamW state for all) or (canonical name, parameter) pairs with ``optimizer_cfg`` (the
+    ``[optimizer]`` section: Muon's one buffer where it applies, engine/planner/optimizer_state.py)."""
     from torch.distributed.tensor import DTensor
 
+    from engine.planner.optimizer_state import optimizer_bytes
+
     elements = nbytes = count = 0
-    for param in params:
+    named = []
+    for item in params:
+        name, param = item if isinstance(item, tuple) else ("", item)
         local = param.to_local() if isinstance(param, DTensor) else param
         elements += local.numel()
         nbytes += local.numel() * local.element_size()
         count += 1
-    return StateBytes(params=nbytes, grads=nbytes, optimizer=2 * nbytes + STEP_TENSOR_BYTES * count,
-                      n_tensors=count, param_elements=elements)
+        named.append((name, param.ndim, local.numel()))
+    optimizer = (optimizer_bytes(named, optimizer_cfg, local.element_size()) if optimizer_cfg is not None
+                 else 2 * nbytes + STEP_TENSOR_BYTES * count)
+    return StateBytes(params=nbytes, grads=nbytes, optimizer=optimizer, n_tensors=count, param_elements=elements)
 
 
 @dataclass
@@ -146,8 +154,10 @@ def build_real_plan(cfg, world_size: int, rank: int = 0, *, device_type: str = "
                                         context_parallel=build_context_parallel(cfg, dims),
                                         global_batch_size=setup.global_batch_size,
                                         backend="nccl" if device_type == "cuda" else "gloo")
-        params = [param for part in parts for param in part.parameters()]
-        state = state_bytes_of_params(params)
-        unsharded = sum(param.numel() for param in params)
+        from engine.config.param_groups import clean_name
+
+        named = [(clean_name(name), param) for part in parts for name, param in part.named_parameters()]
+        state = state_bytes_of_params(named, cfg.optimizer)
+        unsharded = sum(param.numel() for _, param in named)
     return RealPlan(rank=rank, coords=coords, parts=parts, state=state, parallel_dims=dims, setup=setup,
                     pp_plan=pp_plan, unsharded_param_elements=unsharded)

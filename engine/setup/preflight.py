@@ -133,6 +133,11 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
     if parallel_dims.pp_enabled:
         pp_plans = _plans_of_every_rank(plan_model_pipeline(p, args, local_batch_size=t.local_batch_size, pp_rank=0),
                                         p.pp)
+    if cfg.optimizer.param_groups and spec.param_shapes is not None:  # a rule matching nothing is a typo
+        from engine.config.param_groups import parse_rules, refuse_unmatched
+
+        refuse_unmatched([s.name for s in spec.get("param_shapes")(args)],
+                         parse_rules(list(cfg.optimizer.param_groups), cfg.optimizer.name))
     _check_initial_load(cfg, base_args, label)
     if check_data:
         _check_local_data(cfg, tokenizer)

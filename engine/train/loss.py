@@ -8,23 +8,53 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100  # label value that contributes neither loss nor a token to the count
 
 
-def token_sum_loss(logits: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor | float = 1.0) -> torch.Tensor:
+def token_sum_loss(logits: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor | float = 1.0,
+                   z_loss=None) -> torch.Tensor:
     """Σ cross entropy (nats) over the label tokens of ``logits`` [B, S, V] / ``labels`` [B, S],
     divided by ``global_tokens`` (the step's label-token count over all ranks and microbatches).
 
     Summing this over every microbatch of every data-parallel rank gives the mean token loss of the
     global batch, so gradients do not depend on how the batch is split (engine/train/trainer.py). With the
     default ``global_tokens = 1`` it is the plain token sum (evaluation). Computed in float32, or
-    float64 for float64 logits (the float64 reference mode).
+    float64 for float64 logits (the float64 reference mode). ``z_loss`` (a :class:`ZLoss`, training
+    only): adds PaLM's ``weight * logsumexp(logits)^2`` per label token (Chowdhery et al. 2022, Sec. 5).
     """
-    loss_sum = F.cross_entropy(
-        logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
-    )
+    flat = logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32))
+    loss_sum = F.cross_entropy(flat, labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX)
+    if z_loss is not None and z_loss.weight:
+        z_sum = z_loss.weight * (torch.logsumexp(flat, dim=-1).square() * (labels.flatten(0, 1) != IGNORE_INDEX)).sum()
+        z_loss.add(z_sum)
+        loss_sum = loss_sum + z_sum
     return loss_sum / global_tokens
 
 
+class ZLoss:
+    """PaLM's z-loss of a run (Chowdhery et al. 2022, Sec. 5: ``weight * logsumexp(logits)^2`` per label
+    token, keeping the softmax normaliser near 1): its ``weight`` (``[loss] z_loss_weight``) and the
+    detached token sum of the current step, for the metrics (``take`` returns and clears it)."""
+
+    def __init__(self, weight: float) -> None:
+        self.weight = float(weight)
+        self.total = 0.0
+
+    def add(self, z_sum: torch.Tensor) -> None:
+        """Add a microbatch's z-loss token sum (0-dim; detached here)."""
+        self.total = self.total + z_sum.detach()
+
+    def take(self):
+        """The step's z-loss token sum (a 0-dim tensor, or 0.0 when none was added); clears it."""
+        total, self.total = self.total, 0.0
+        return total
+
+    def step_mean(self, reduce, global_tokens: torch.Tensor, device) -> float | None:
+        """The step's z-loss per label token, ``reduce`` summing the token sum over the ranks (dp, pp),
+        or None when off (no collective then). Clears the sum either way."""
+        total = torch.as_tensor(self.take(), dtype=torch.float32, device=device)
+        return (reduce(total) / global_tokens).item() if self.weight else None
+
+
 def model_loss(model, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor | float = 1.0,
-               *, chunk_tokens: int = 0, **model_kwargs) -> torch.Tensor:
+               *, chunk_tokens: int = 0, z_loss=None, **model_kwargs) -> torch.Tensor:
     """The loss of a whole model (or a pipeline stage with the output head) on one microbatch.
 
     ``chunk_tokens > 0`` (``[loss] chunk_tokens``): the model fuses its output projection with the
@@ -39,11 +69,12 @@ def model_loss(model, inputs: torch.Tensor, labels: torch.Tensor, global_tokens:
             loss_chunk_tokens=..., **model_kwargs)``.
         inputs, labels: LongTensor [B, S]; global_tokens: see :func:`token_sum_loss`.
         model_kwargs: the model's other keyword inputs (document masking's ids and positions).
+        z_loss: the unfused loss's :class:`ZLoss` (the fused one reads the model's ``z_loss`` attribute).
     """
     if chunk_tokens > 0 or getattr(model, "needs_labels", False):
         token_sum = model(inputs, labels=labels, loss_chunk_tokens=chunk_tokens, **model_kwargs)
         return fused_stage_loss(token_sum, labels, global_tokens)
-    return token_sum_loss(model(inputs, **model_kwargs), labels, global_tokens)
+    return token_sum_loss(model(inputs, **model_kwargs), labels, global_tokens, z_loss=z_loss)
 
 
 def fused_stage_loss(token_sum: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor | float = 1.0) -> torch.Tensor:

@@ -20,6 +20,7 @@ over the pp group makes every rank log the true loss, never a placeholder.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 
 import torch
@@ -46,12 +47,16 @@ class StepContext:
         documents: document masking's inputs (``DocumentInputs``), or None for causal attention.
         loss_chunk_tokens: ``[loss] chunk_tokens``: > 0 fuses the output projection with the loss
             over chunks of this many tokens (engine/train/loss.py ``model_loss``); 0: full logits.
+        z_loss: the run's ``engine.train.loss.ZLoss`` (``[loss] z_loss_weight``), or None.
     """
 
     def __init__(self, model_parts: list[nn.Module], device: torch.device, *,
                  context_parallel: ContextParallel | None, autocast_bf16: bool, loss_parallel: bool,
-                 documents=None, loss_chunk_tokens: int = 0):
+                 documents=None, loss_chunk_tokens: int = 0, z_loss=None):
         self.loss_chunk_tokens = loss_chunk_tokens
+        self.z_loss = z_loss
+        for part in model_parts:  # the fused loss of the part with the output head adds it in training
+            part.z_loss = z_loss
         self.model_parts = model_parts
         self.device = device
         self.context_parallel = context_parallel
@@ -192,7 +197,7 @@ class SingleRunner(_Runner):
         inputs, kwargs = self.context.model_inputs(inputs)
         with self.context.autocast():
             loss = model_loss(self.model_parts[0], inputs, labels, global_tokens,
-                              chunk_tokens=self.context.loss_chunk_tokens, **kwargs)
+                              chunk_tokens=self.context.loss_chunk_tokens, z_loss=self.context.z_loss, **kwargs)
         loss.backward()
         return loss.detach()
 
@@ -217,7 +222,8 @@ class PipelineRunner(_Runner):
         super().__init__(model_parts, context)
         # With the fused loss the last stage returns the token sum itself, given the labels as a
         # model keyword (torch's schedules split keyword tensors into microbatches like the inputs).
-        loss_fn = fused_stage_loss if context.loss_chunk_tokens > 0 else token_sum_loss
+        loss_fn = fused_stage_loss if context.loss_chunk_tokens > 0 else functools.partial(token_sum_loss,
+                                                                                             z_loss=context.z_loss)
         self.schedule, stages = build_pipeline_schedule(plan, model_parts, pp_mesh, context.device, loss_fn)
         self.plan, self.pp_size = plan, pp_mesh.size()
         self.has_first = 0 in plan.local_stages

@@ -29,7 +29,7 @@ from engine.config.fingerprint import run_fingerprint
 from engine.data import build_dataloader, build_validation_dataloader
 from engine.train.distributed import init_distributed, is_peer_failure
 from engine.train.documents import document_inputs
-from engine.train.loss import IGNORE_INDEX
+from engine.train.loss import IGNORE_INDEX, ZLoss
 from engine.train.lr_scheduler import build_lr_scheduler
 from engine.observe.metrics import MetricsLogger
 from engine.setup.model_builder import build_context_parallel, build_model_parts
@@ -98,16 +98,15 @@ class Trainer:
         self.tokenizer = setup.tokenizer  # loaded once per process, by check_setup
         self.dataloader = self._build_dataloader()
         self.grad_accum_steps = self.dataloader.grad_accum_steps
-        # Built now so that a bad validation.path fails before training.
-        self._val_loader = self._build_validation_loader() if cfg.validation.enable else None
+        self._val_loader = self._build_validation_loader() if cfg.validation.enable else None  # bad path: fails now
         self.model_parts = self._build_model()
+        self.z_loss = ZLoss(cfg.loss.z_loss_weight)  # PaLM's z-loss: added by the loss, logged apart
         self.runner = self._build_runner()
         self.recorder = StepRecorder(cfg.record, self.run_folder, self.model_parts, self.parallel_dims,
                                      self.context_parallel, self.dist.rank)
-        self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
+        self.optimizer = build_optimizer(self.model_parts, cfg.optimizer, whole_model=not self.parallel_dims.pp_enabled)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
-        self.step = 0
-        self.tokens_seen = 0
+        self.step, self.tokens_seen = 0, 0
         self.step_health = StepHealth(cfg.step_health, clipping=cfg.training.max_norm > 0)
         self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY_STEPS)
         # What this run trains (engine/config/fingerprint.py), in metrics.jsonl and every checkpoint.
@@ -162,7 +161,7 @@ class Trainer:
             autocast_bf16=self.cfg.training.mixed_precision_param == "bfloat16" and not wrapped,
             loss_parallel=dims.tp_enabled and self.cfg.parallelism.loss_parallel,
             documents=document_inputs(self.cfg.document_mask, self.tokenizer.bos_id, self.context_parallel),
-            loss_chunk_tokens=self.cfg.loss.chunk_tokens,
+            loss_chunk_tokens=self.cfg.loss.chunk_tokens, z_loss=self.z_loss,
         )
         if self.pp_plan is None:
             return SingleRunner(self.model_parts, context,
@@ -229,10 +228,11 @@ class Trainer:
             params = [p for part in self.model_parts for p in part.parameters()]
             grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_group=self.runner.pp_group)
             lr = self.lr_scheduler.get_last_lr()[0]
-            # The step's one read of loss and grad norm (every rank holds the reduced values), taken
-            # before the update so that engine/train/step_health.py can withhold it.
-            loss = self.runner.sum_over_stages(self._dp_sum(loss)).item()
-            grad_norm = grad_norm.item()
+            # The step's one read of loss and grad norm (every rank holds the reduced values), before the
+            # update so that engine/train/step_health.py can withhold it; z-loss only when it is on.
+            reduce = lambda x: self.runner.sum_over_stages(self._dp_sum(x))  # noqa: E731
+            loss, grad_norm = reduce(loss).item(), grad_norm.item()
+            z_loss = self.z_loss.step_mean(reduce, global_tokens, self.device)
             verdict = self.step_health.judge(self.step + 1, loss, grad_norm)
             if verdict.skip:  # parameters, optimizer state and model buffers stay as they are
                 model_metrics = self.runner.discard_step()
@@ -245,8 +245,8 @@ class Trainer:
         self.step += 1
         if verdict.reason is not None:
             self._report_unhealthy(verdict, lr)
-        record = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": local_tokens, "skipped": verdict.reason,
-                  "global_tokens": int(global_tokens.item()), "data_seconds": timer.seconds["data"],
+        record = {"loss": loss, "z_loss": z_loss, "grad_norm": grad_norm, "lr": lr, "tokens": local_tokens,
+                  "skipped": verdict.reason, "global_tokens": int(global_tokens.item()), "data_seconds": timer.seconds["data"],
                   "epoch": self.dataloader.epoch, "model_metrics": model_metrics}
         compute_seconds = timer.seconds["forward_backward"]
         if isinstance(self.runner, PipelineRunner):
@@ -373,8 +373,8 @@ class Trainer:
         self.metrics.record_step(tokens=record["tokens"], step_seconds=record["step_seconds"],
                                  data_seconds=record["data_seconds"])
         if self.metrics.should_log(self.step):
-            keys = ("loss", "grad_norm", "lr", "epoch", "pp_bubble_fraction")
-            logged = {key: record[key] for key in keys if key in record}
+            keys = ("loss", "z_loss", "grad_norm", "lr", "epoch", "pp_bubble_fraction")
+            logged = {key: record[key] for key in keys if record.get(key) is not None}
             phases = record.pop("phases", None)
             times = step_attribution(step_s=record["step_seconds"], **phases) if phases else {}
             self.metrics.log(self.step, {**logged, **record["model_metrics"]},

@@ -273,7 +273,9 @@ class Transformer(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None and labels is not None:
-            return linear_cross_entropy_sum(h, self.output.weight, labels, loss_chunk_tokens)
+            z_loss = getattr(self, "z_loss", None) if torch.is_grad_enabled() else None  # training only
+            z_args = () if z_loss is None else (z_loss.weight, z_loss.add)
+            return linear_cross_entropy_sum(h, self.output.weight, labels, loss_chunk_tokens, *z_args)
         if self.output is not None:
             h = self.output(h)
         return h
