@@ -221,23 +221,29 @@ def test_parity_with_one_process(layout, rank_results, reference):
         assert_parity(results["histories"][layout], reference)
 
 
-def test_tied_embeddings_stay_one_parameter(tmp_path):
-    """parallelize_module distributes each module's weight on its own; apply_tp_plan points the output
-    back at the embedding's DTensor (parallelisms/tensor_parallel.py), so the tied matrix stays one
-    vocab-sharded parameter that the optimizer updates once: the real plan of a tp 2 rank, built on
-    the meta device under a fake process group."""
+def _tied_plan_facts(folder: str) -> tuple:
     from torch.distributed.tensor import Shard
 
     from engine.config import load_config
     from engine.planner.real_plan import build_real_plan
 
-    cfg = load_config(base_args(str(tmp_path), {"model.tie_embeddings": "true", "parallelism.tp": "2",
-                                                "parallelism.dp_shard": "1"}))
+    cfg = load_config(base_args(folder, {"model.tie_embeddings": "true", "parallelism.tp": "2",
+                                         "parallelism.dp_shard": "1"}))
     cfg.validate()
     (part,) = build_real_plan(cfg, 2, 0, device_type="cpu").parts
-    assert part.output.weight is part.tok_embeddings.weight
-    assert part.output.weight.placements == (Shard(0),)
-    assert "output.weight" not in dict(part.named_parameters())  # counted, and stepped, once
+    return (part.output.weight is part.tok_embeddings.weight, part.output.weight.placements == (Shard(0),),
+            "output.weight" in dict(part.named_parameters()))
+
+
+def test_tied_embeddings_stay_one_parameter(tmp_path):
+    """parallelize_module distributes each module's weight on its own; apply_tp_plan points the output
+    back at the embedding's DTensor (parallelisms/tensor_parallel.py), so the tied matrix stays one
+    vocab-sharded parameter that the optimizer updates once: the real plan of a tp 2 rank, built on
+    the meta device under a fake process group. Built in a forked process: the fake process group's
+    state must not reach the ranks that later tests fork from this one (their tp2 losses changed)."""
+    (facts,) = run_distributed(_tied_plan_facts, 1, str(tmp_path), torchrun_env=False)
+    tied, vocab_sharded, counted_twice = facts
+    assert tied and vocab_sharded and not counted_twice  # counted, and stepped, once
 
 
 def test_grad_norm_and_clipping_over_mixed_meshes():
