@@ -102,6 +102,7 @@ def test_without_restarts_a_killed_rank_ends_the_job_as_before(corpus, tmp_path)
     assert (attempt["last_step"], attempt["end"]) == (6, "rank 1 ended with signal SIGKILL")
 
 
+@pytest.mark.timing  # a 5 s hang timeout and the 15 s wait for every rank's record: not under another worker's load
 def test_a_hang_names_the_rank_that_never_came_and_the_restart_completes(corpus, reference, tmp_path):
     """Rank 1 sleeps at the start of step 6 while rank 0 waits in the step's first all-reduce: within
     the timeout every rank's stack is on disk, the line names rank 1, and the restart completes."""
