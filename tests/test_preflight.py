@@ -17,7 +17,7 @@ from tests.training_utils import REPO
 def test_setup_rules_import_no_torch():
     """The rules of every parallelism, the registry, the flavors and the data-path check run without
     torch, datasets or the model code, which is what makes a refusal take a fraction of a second. (One
-    config's path; tests/test_architecture.py reads every branch of the pre-flight statically.)"""
+    config's path; tests/test_preflight_imports.py reads every branch of the pre-flight statically.)"""
     code = (
         "import sys\n"
         "from engine.config import load_config\n"
