@@ -48,10 +48,10 @@ def drop_records_from(path: str, step: int) -> list[int]:
 
 
 def new_run_id() -> str:
-    """A fresh W&B run id (``wandb.util.generate_id``: 8 lowercase letters and digits)."""
-    import wandb
+    """A fresh W&B run id (wandb's ``generate_id``: 8 lowercase letters and digits)."""
+    from wandb.sdk.lib.runid import generate_id
 
-    return wandb.util.generate_id()
+    return generate_id()
 
 
 def agreed_run_id(run_id: str | None, distributed: bool) -> str:
