@@ -29,7 +29,11 @@ def convert(task_name: str, include_path: str | None, limit: int | None = None,
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     from lm_eval.tasks import TaskManager, get_task_dict
 
-    task = get_task_dict([task_name], TaskManager(include_path=include_path))[task_name]
+    manager = TaskManager(include_path=include_path)
+    if hasattr(manager, "load"):  # lm_eval >= 0.4.10; get_task_dict before
+        task = manager.load([task_name])["tasks"][task_name]
+    else:
+        task = get_task_dict([task_name], manager)[task_name]
     if task.OUTPUT_TYPE != "multiple_choice":
         raise ValueError(f"task {task_name!r} is {task.OUTPUT_TYPE!r}; only multiple_choice tasks convert")
     if num_fewshot is not None:
