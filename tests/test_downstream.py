@@ -149,3 +149,39 @@ def test_a_layout_scores_like_one_process(layout, evaluations):
         for task, lls in want["lls"].items():
             for got_ll, want_ll in zip(got["lls"][task], lls):
                 assert got_ll == pytest.approx(want_ll, rel=1e-5), (rank, task, got_ll, want_ll)
+
+
+def _train_with_slow_evaluation(argv: list[str]) -> tuple[list[float], dict]:
+    """Train with every evaluation lengthened by 1 s: (each step's seconds, the goodput ledger's record)."""
+    import time
+
+    from engine.config import load_config
+    from engine.train import downstream
+    from engine.train.trainer import Trainer
+
+    original = downstream.DownstreamEvaluation.loglikelihoods
+
+    def slow(self, *args):
+        time.sleep(1.0)
+        return original(self, *args)
+
+    downstream.DownstreamEvaluation.loglikelihoods = slow
+    trainer = Trainer(load_config(argv))
+    try:
+        history = trainer.train()
+        return [h["step_seconds"] for h in history], dict(trainer.recovery.ledger.record)
+    finally:
+        trainer.close()
+
+
+def test_evaluation_time_is_evaluation_in_the_ledger_not_step_time(tmp_path):
+    """Two evaluations of a 2-step run (eval.freq 1) take >= 2 s: the goodput ledger's evaluation_s
+    has them, the steps (and so productive time, tokens/s and MFU) do not."""
+    (task,) = [f"hand={tmp_path / 'hand.jsonl'}"]
+    (tmp_path / "hand.jsonl").write_text(json.dumps(HANDMADE[0]) + "\n")
+    argv = base_args(str(tmp_path / "run"), {"eval.enable": "true", "eval.tasks": task, "eval.freq": 1,
+                                             "training.steps": 2, "validation.enable": "false"})
+    (result,) = run_distributed(_train_with_slow_evaluation, 1, argv, torchrun_env=False)
+    steps, ledger = result
+    assert ledger["evaluation_s"] >= 2.0, ledger
+    assert max(steps) < 1.0 and ledger["productive_s"] == pytest.approx(sum(steps)), (steps, ledger)
