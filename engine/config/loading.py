@@ -31,8 +31,8 @@ else:  # pragma: no cover - exercised only on Python 3.10
 from engine.config.toml_format import cli_value, toml_value
 from engine.config.validation import config_warnings, range_problems
 from engine.config.schema import (  # the section dataclasses, re-exported for type hints
-    ActivationCheckpointSection, CheckpointSection, CommSection, CompileSection, DataSection, DocumentMaskSection, EvalSection,
-    JobSection, LossSection, LRSchedulerSection, MetricsSection, ModelSection, OptimizerSection,
+    ActivationCheckpointSection, CheckpointSection, CommSection, CompileSection, DataSection, DocumentMaskSection,
+    EvalSection, JobSection, LossSection, LRSchedulerSection, MetricsSection, ModelSection, OptimizerSection,
     ParallelismSection, ProfilingSection, RecordSection, StepHealthSection, TrainingSection, ValidationSection,
 )
 
