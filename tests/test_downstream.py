@@ -40,12 +40,13 @@ HANDMADE = [
 
 
 def _write_tasks(folder) -> list[str]:
-    """Two task files: a cloze task cut from the small corpus (scripts/make_cloze_task.py; its
-    contexts overflow the 32-token windows: left truncation) and :data:`HANDMADE`."""
+    """Two task files: a cloze task cut from the small corpus (scripts/make_cloze_task.py) and
+    :data:`HANDMADE`; the rows are shorter than training.seq_len (32), so the runs without pp or cp
+    pad them to the longest (a multiple of tp), the others to 32."""
     from scripts.make_cloze_task import main as make_cloze
 
     cloze = make_cloze(["--data_path", SMALL_CORPUS, "--output", str(folder / "cloze.jsonl"), "--examples", "5",
-                        "--choices", "3", "--words", "2", "--context_chars", "120"])
+                        "--choices", "3", "--words", "2", "--context_chars", "20"])
     handmade = folder / "handmade.jsonl"
     handmade.write_text("".join(json.dumps(example) + "\n" for example in HANDMADE))
     return [cloze, f"hand={handmade}"]
@@ -64,7 +65,7 @@ def _evaluate(argv: list[str], reference: bool) -> dict:
     trainer = Trainer(load_config(argv))
     try:
         results, lls = trainer.downstream.evaluate(trainer.model_parts, trainer.device)
-        out = {"results": results, "lls": lls}
+        out = {"results": results, "lls": lls, "row_len": trainer.downstream.row_len}
         if reference:
             model, direct, tokens = trainer.model_parts[0], {}, {}
             for task in trainer.downstream.tasks:
@@ -120,6 +121,7 @@ def test_loglikelihoods_are_the_continuations_and_acc_norm_divides_by_characters
     one, _ = evaluations
     for model, run in one.items():
         assert not isinstance(run, str), run
+        assert run["row_len"] < 32, run["row_len"]  # trimmed windows (pp and cp pad to seq_len)
         for task, lls in run["lls"].items():
             for got, want in zip(lls, run["direct"][task]):
                 assert got == pytest.approx(want, rel=1e-5), (model, task, got, want)
@@ -185,3 +187,13 @@ def test_evaluation_time_is_evaluation_in_the_ledger_not_step_time(tmp_path):
     steps, ledger = result
     assert ledger["evaluation_s"] >= 2.0, ledger
     assert max(steps) < 1.0 and ledger["productive_s"] == pytest.approx(sum(steps)), (steps, ledger)
+
+
+def test_windows_are_left_truncated_as_lm_eval_does():
+    """lm_eval's ``(context + continuation)[-(max_length + 1):]``, the continuation kept whole."""
+    from engine.data.eval_tasks import window
+
+    assert window([1, 2, 3, 4, 5], [6, 7], 4) == ([3, 4, 5, 6, 7], 2)
+    assert window([1, 2], [3], 4) == ([1, 2, 3], 1)
+    with pytest.raises(ValueError, match="training.seq_len = 4"):
+        window([1], [2, 3, 4, 5], 4)

@@ -2,9 +2,13 @@
 lm-evaluation-harness scores them (Gao et al., "A framework for few-shot language model evaluation",
 github.com/EleutherAI/lm-evaluation-harness; tokenization and metrics: engine/data/eval_tasks.py).
 
-Every (example, choice) pair is one row of ``training.seq_len`` tokens: its context and continuation,
-left-truncated to the window, right-padded; only the continuation's tokens carry labels, so a row's
-cross-entropy sum is minus the continuation's log-likelihood. The rows are cut into contiguous
+Every (example, choice) pair is one row: its context and continuation, left-truncated to
+``training.seq_len`` tokens, right-padded to the longest row of the run's tasks (rounded up to a
+multiple of tp, which sequence parallelism splits evenly; under pipeline and context parallelism
+``seq_len`` itself, the shape the stages were set up with for validation and the one context
+parallelism's positions were planned for); only the
+continuation's tokens carry labels, so a row's cross-entropy sum is minus the continuation's
+log-likelihood (padding after it is never attended to by it: causal attention). The rows are cut into contiguous
 blocks, one per data-parallel rank, and each rank runs its block in batches of
 ``training.local_batch_size`` rows (padding rows without labels make the blocks equal, so every rank
 runs the same forwards, as FSDP's collectives need) through the runner's forward-only path
@@ -31,7 +35,9 @@ class DownstreamEvaluation:
     Args:
         cfg: the ``[eval]`` section (``tasks``, ``freq``, ``limit``).
         tokenizer: engine/data/tokenizer.py's ``Tokenizer``.
-        seq_len: tokens per row (``training.seq_len``); rows_per_batch: ``training.local_batch_size``.
+        seq_len: the longest row (``training.seq_len``); rows_per_batch: ``training.local_batch_size``.
+        row_multiple: rows are padded to a multiple of this (tp); fixed_length: pad every row to
+            ``seq_len`` (pipeline and context parallelism).
         dp_rank, dp_degree: this rank's data-parallel coordinate.
         runner: the run's runner (``context.shard``, ``evaluate_rows``); reduce: sums a tensor over
             dp × cp and the pipeline stages, in place.
@@ -42,7 +48,7 @@ class DownstreamEvaluation:
     """
 
     def __init__(self, cfg, tokenizer, *, seq_len: int, rows_per_batch: int, dp_rank: int, dp_degree: int,
-                 runner, reduce):
+                 runner, reduce, row_multiple: int = 1, fixed_length: bool = False):
         self.freq, self.seq_len, self.rows_per_batch = cfg.freq, seq_len, rows_per_batch
         self.runner, self.reduce = runner, reduce
         self.tasks: list[Task] = [read_task(name, path, cfg.limit) for name, path in parse_task_specs(cfg.tasks)]
@@ -55,6 +61,8 @@ class DownstreamEvaluation:
                         self.rows.append(window(context, continuation, seq_len))
                     except ValueError as error:
                         raise ValueError(f"eval task {task.name!r}: {error}") from None
+        longest = max(len(tokens) - 1 for tokens, _ in self.rows)
+        self.row_len = seq_len if fixed_length else min(seq_len, math.ceil(longest / row_multiple) * row_multiple)
         per_rank = math.ceil(len(self.rows) / (dp_degree * rows_per_batch)) * rows_per_batch
         self.total_rows = per_rank * dp_degree
         self.first_row, self.last_row = dp_rank * per_rank, (dp_rank + 1) * per_rank
@@ -64,9 +72,9 @@ class DownstreamEvaluation:
         return step % self.freq == 0 or step == last
 
     def _batch(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """LongTensor [rows_per_batch, seq_len] inputs and labels of rows start.. (padding rows beyond
+        """LongTensor [rows_per_batch, row_len] inputs and labels of rows start.. (padding rows beyond
         the last: no labels)."""
-        inputs = torch.zeros(self.rows_per_batch, self.seq_len, dtype=torch.long)
+        inputs = torch.zeros(self.rows_per_batch, self.row_len, dtype=torch.long)
         labels = torch.full_like(inputs, IGNORE_INDEX)
         for i, row in enumerate(range(start, min(start + self.rows_per_batch, len(self.rows)))):
             tokens, scored = self.rows[row]

@@ -177,7 +177,9 @@ class Trainer:
         reduce = lambda x: self.runner.sum_over_stages(self._dp_sum(x))  # noqa: E731
         return DownstreamEvaluation(self.cfg.eval, self.tokenizer, seq_len=self.cfg.training.seq_len,
                                     rows_per_batch=self.cfg.training.local_batch_size, dp_rank=self.dp_rank,
-                                    dp_degree=self.parallel_dims.dp, runner=self.runner, reduce=reduce)
+                                    dp_degree=self.parallel_dims.dp, runner=self.runner, reduce=reduce,
+                                    row_multiple=self.parallel_dims.tp,
+                                    fixed_length=self.parallel_dims.pp_enabled or self.parallel_dims.cp_enabled)
 
     def _build_checkpointer(self) -> CheckpointManager:
         return CheckpointManager(
