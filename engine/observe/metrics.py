@@ -134,7 +134,8 @@ class MetricsLogger:
 
     Args:
         cfg: the ``[metrics]`` section; reads ``log_freq`` (steps, > 0), ``enable_tensorboard``,
-            ``save_tb_folder`` and ``peak_tflops`` (0: table lookup, see ``engine.observe.flops``).
+            ``save_tb_folder``, ``peak_tflops`` (0: table lookup, see ``engine.observe.flops``) and
+            ``enable_wandb`` (every record also to W&B under :attr:`wandb_run_id`, engine/observe/sinks.py).
         run_folder: the run's dump folder; receives ``metrics.jsonl`` and ``<save_tb_folder>/``.
         rank: global rank (kept for messages).
         is_logging_rank: only this rank prints, writes TensorBoard and metrics.jsonl.
