@@ -20,8 +20,10 @@ import os
 
 
 def convert(task_name: str, include_path: str | None, limit: int | None = None,
-            num_fewshot: int | None = None) -> list[dict]:
-    """The ``[eval]`` examples of lm_eval task ``task_name`` (module docstring).
+            num_fewshot: int | None = None, task_manager=None) -> list[dict]:
+    """The ``[eval]`` examples of lm_eval task ``task_name`` (module docstring); ``task_manager``: an
+    ``lm_eval.tasks.TaskManager`` to reuse (indexing lm_eval's built-in tasks takes seconds), else
+    one of ``include_path`` and the built-in tasks.
 
     Raises:
         ValueError: the task is not a ``multiple_choice`` task, or a gold answer is not one of its choices.
@@ -29,7 +31,7 @@ def convert(task_name: str, include_path: str | None, limit: int | None = None,
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     from lm_eval.tasks import TaskManager, get_task_dict
 
-    manager = TaskManager(include_path=include_path)
+    manager = task_manager or TaskManager(include_path=include_path)
     if hasattr(manager, "load"):  # lm_eval >= 0.4.10; get_task_dict before
         task = manager.load([task_name])["tasks"][task_name]
     else:

@@ -89,7 +89,8 @@ def test_lm_eval_scores_the_exported_checkpoint_like_the_in_loop_evaluation(tmp_
     tasks.mkdir()
     (tasks / "quadra_oracle.yaml").write_text(TASK_YAML.format(docs=docs))
     # lm_eval's own reading of the task, converted back, is the file Quadra evaluates
-    converted = convert_task("quadra_oracle", str(tasks))
+    manager = TaskManager(include_path=str(tasks), include_defaults=False)  # no index of lm_eval's own tasks
+    converted = convert_task("quadra_oracle", str(tasks), task_manager=manager)
     assert [(e["context"], e["choices"], e["gold"]) for e in converted] == \
         [(e["context"], e["choices"], e["gold"]) for e in map(json.loads, open(docs))]
     run = tmp_path / "run"
@@ -101,7 +102,7 @@ def test_lm_eval_scores_the_exported_checkpoint_like_the_in_loop_evaluation(tmp_
 
     model = HFLM(pretrained=str(tmp_path / "hf"), tokenizer=_hf_tokenizer_with_bos(str(tmp_path / "tok")),
                  dtype="float32", device="cpu", batch_size=8)
-    out = simple_evaluate(model=model, tasks=["quadra_oracle"], task_manager=TaskManager(include_path=str(tasks)),
+    out = simple_evaluate(model=model, tasks=["quadra_oracle"], task_manager=manager,
                           log_samples=True, num_fewshot=0)
     samples = sorted(out["samples"]["quadra_oracle"], key=lambda s: s["doc_id"])
     oracle = [[float(resp[0][0]) for resp in sample["resps"]] for sample in samples]  # [(ll, is_greedy)] per choice
