@@ -64,6 +64,7 @@ def _evaluate(argv: list[str], reference: bool) -> dict:
 
     trainer = Trainer(load_config(argv))
     try:
+        trainer.validate()  # as the loop runs them: validation, then the tasks (pp: two eval passes in a row)
         results, lls = trainer.downstream.evaluate(trainer.model_parts, trainer.device)
         out = {"results": results, "lls": lls, "row_len": trainer.downstream.row_len}
         if reference:
@@ -105,7 +106,7 @@ def evaluations(tmp_path_factory):
     """(one process's {model: evaluation}, every rank's {layout: evaluation})."""
     folder = tmp_path_factory.mktemp("downstream")
     tasks = ",".join(_write_tasks(folder))
-    common = {"eval.enable": "true", "eval.tasks": tasks, "validation.enable": "false"}
+    common = {"eval.enable": "true", "eval.tasks": tasks}
     single = {model: base_args(f"{folder}/one/{model}", {**common, "model.name": model}) for model in ("llama", "moe")}
     (one,) = run_distributed(_evaluate_layouts, 1, str(folder), single, True, torchrun_env=False)
     layouts = {name: base_args(f"{folder}/many/{name}", {**common, **model, **overrides})
