@@ -27,6 +27,7 @@ job.config_file job.dump_folder job.description job.device job.print_config job.
 model.name model.flavor model.args_path model.tokenizer_path model.vocab_size model.tie_embeddings
 data.path data.text_column data.split data.streaming data.shuffle data.mixture
 validation.enable validation.path validation.freq validation.steps
+eval.enable eval.tasks eval.freq eval.limit
 training.steps training.local_batch_size training.global_batch_size training.seq_len
 training.max_norm training.seed training.deterministic training.mixed_precision_param
 training.mixed_precision_reduce training.gc_freq training.stop_after_step
@@ -49,6 +50,7 @@ checkpoint.enable checkpoint.folder checkpoint.interval checkpoint.keep_latest_k
 checkpoint.load_step checkpoint.initial_load_path checkpoint.initial_load_model_only
 metrics.log_freq metrics.enable_tensorboard metrics.save_tb_folder metrics.peak_tflops
 metrics.log_all_ranks metrics.time_attribution
+metrics.enable_wandb metrics.wandb_project metrics.wandb_entity metrics.wandb_run_name metrics.wandb_tags
 activation_checkpoint.mode activation_checkpoint.selective_ac_option
 compile.enable compile.backend
 loss.z_loss_weight loss.chunk_tokens

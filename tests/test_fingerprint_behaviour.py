@@ -47,6 +47,7 @@ FLOAT64 = {"training.mixed_precision_param": "float64", "training.mixed_precisio
 SPIKE_WINDOW = {"step_health.window": 2}  # spikes are judged from step 3 on (2 accepted steps)
 
 MUON = {"optimizer.name": "Muon"}  # the context the Muon keys act in
+EVAL = {"eval.enable": True, "eval.tasks": [f"t={F}/task.jsonl"], "eval.freq": 2, "eval.limit": 2}
 SPECS: dict[str, Spec] = {
     # convergence: the model
     "model.name": Spec({"model.name": "moe"}),
@@ -122,6 +123,8 @@ SPECS: dict[str, Spec] = {
     "validation.path": Spec({"validation.enable": True, "validation.path": f"{F}/other.jsonl"}),
     "validation.freq": Spec({"validation.enable": True, "validation.freq": 1}),
     "validation.steps": Spec({"validation.enable": True, "validation.steps": 2}),
+    # evaluating the tasks after steps changes no step (the model's train mode and RNG stay as they were)
+    **{f"eval.{key}": Spec(EVAL) for key in ("enable", "tasks", "freq", "limit")},
     "training.local_batch_size": Spec({"training.local_batch_size": 4}),  # 2 microbatches per step
     "training.gc_freq": Spec({"training.gc_freq": 1}),
     "training.stop_after_step": Spec({"training.stop_after_step": 2}, family="stop"),
@@ -205,6 +208,9 @@ UNEXERCISED = {
     "compile.enable": (NUMERICS, "inductor's C++ build of the blocks costs ~30 s on 2 cores; "
                                  "tests/test_ac_compile.py::test_compile_parity holds it to the fp32 tolerance"),
     "compile.backend": (NUMERICS, "acts with compile.enable only (see compile.enable)"),
+    **{f"metrics.{key}": (EXECUTION, "Weights & Biases starts a service process per run (~4 s); "
+                                     "tests/test_wandb.py checks the offline run against metrics.jsonl")
+       for key in ("enable_wandb", "wandb_project", "wandb_entity", "wandb_run_name", "wandb_tags")},
 }
 
 CHECKED = sorted(key for key in KEY_CLASS if key in SPECS and key not in UNEXERCISED)
@@ -243,6 +249,9 @@ def _write_files(folder: str) -> None:
         f.writelines(json.dumps({"text": doc}) + "\n" for doc in docs)
     with open(os.path.join(folder, "two_columns.jsonl"), "w") as f:
         f.writelines(json.dumps({"text": doc, "other": doc.upper()}) + "\n" for doc in docs)
+    with open(os.path.join(folder, "task.jsonl"), "w") as f:  # [eval]: 3 questions of 2 choices
+        f.writelines(json.dumps({"context": f"Document {i} of", "choices": ["another corpus", "word7"], "gold": 0}) + "\n"
+                     for i in range(3))
     with open(os.path.join(folder, "description.toml"), "w") as f:
         f.write('[job]\ndescription = "from a config file"\n')
     args = dataclasses.replace(get_model_args("llama", "debugmodel_tiny"), n_layers=2)

@@ -58,6 +58,7 @@ _CLASSES: dict[str, dict[str, tuple[str, ...]]] = {
     EXECUTION: {
         "job": ("config_file", "dump_folder", "description", "print_config", "dry_run", "dry_run_gpu"),
         "validation": ("enable", "path", "freq", "steps"),
+        "eval": ("enable", "tasks", "freq", "limit"),  # observes the model, trains nothing
         "training": ("local_batch_size", "gc_freq", "stop_after_step"),
         "parallelism": (
             "dp_replicate", "dp_shard", "cp", "cp_rotate_method", "cp_load_balance", "tp", "pp", "pp_schedule",
@@ -70,7 +71,8 @@ _CLASSES: dict[str, dict[str, tuple[str, ...]]] = {
         "step_health": ("max_consecutive_skips",),
         "checkpoint": ("enable", "folder", "interval", "keep_latest_k", "async_mode", "load_step"),
         "metrics": ("log_freq", "enable_tensorboard", "save_tb_folder", "peak_tflops", "log_all_ranks",
-                    "time_attribution"),
+                    "time_attribution", "enable_wandb", "wandb_project", "wandb_entity", "wandb_run_name",
+                    "wandb_tags"),
         "activation_checkpoint": ("mode", "selective_ac_option"),
         "profiling": ("enable", "start_step", "num_steps", "traces_folder", "memory_snapshot"),
         "record": ("step", "folder"),  # observes one step, changes none

@@ -32,7 +32,7 @@ from engine.config.toml_format import cli_value, toml_value
 from engine.config.validation import config_warnings, range_problems
 from engine.config.schema import (  # the section dataclasses, re-exported for type hints
     ActivationCheckpointSection, CheckpointSection, CommSection, CompileSection, DataSection, DocumentMaskSection,
-    JobSection, LossSection, LRSchedulerSection, MetricsSection, ModelSection, OptimizerSection,
+    EvalSection, JobSection, LossSection, LRSchedulerSection, MetricsSection, ModelSection, OptimizerSection,
     ParallelismSection, ProfilingSection, RecordSection, StepHealthSection, TrainingSection, ValidationSection,
 )
 
@@ -57,6 +57,7 @@ class JobConfig:
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     validation: ValidationSection = field(default_factory=ValidationSection)
+    eval: EvalSection = field(default_factory=EvalSection)
     training: TrainingSection = field(default_factory=TrainingSection)
     step_health: StepHealthSection = field(default_factory=StepHealthSection)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)

@@ -95,6 +95,18 @@ class ValidationSection:
 
 
 @dataclass
+class EvalSection:
+    """``[eval]``: downstream multiple-choice tasks scored by log-likelihood during training, as
+    lm-evaluation-harness scores them (engine/train/downstream.py; task files: engine/data/eval_tasks.py)."""
+
+    enable: bool = _opt(False, "evaluate the tasks every freq steps and at the end (acc, acc_norm per task)")
+    tasks: list[str] = _opt([], 'local task files (jsonl of {"context", "choices", "gold"}), each "path" or '
+                                '"name=path" (name: the file stem); scripts/eval_task.py converts lm_eval tasks')
+    freq: int = _opt(1000, "evaluate every N steps")
+    limit: int = _opt(-1, "examples per task (the first N); -1: all")
+
+
+@dataclass
 class TrainingSection:
     """``[training]``: step count, batch geometry (sequences, tokens), precision, seeding."""
 
@@ -240,7 +252,7 @@ class CheckpointSection:
 
 @dataclass
 class MetricsSection:
-    """``[metrics]``: console and TensorBoard logging."""
+    """``[metrics]``: console, TensorBoard and Weights & Biases logging."""
 
     log_freq: int = _opt(10, "log metrics every N steps")
     enable_tensorboard: bool = _opt(True, "write TensorBoard event files")
@@ -249,6 +261,12 @@ class MetricsSection:
     log_all_ranks: bool = _opt(False, "print step and info lines on every rank, not only rank 0 (files: rank 0)")
     time_attribution: bool = _opt(True, "on logged steps, split the step time into data, compute, exposed "
                                         "communication per mesh dim, bubble and optimizer (time_*_s keys)")
+    enable_wandb: bool = _opt(False, "also log every metrics.jsonl record to Weights & Biases (rank 0; WANDB_MODE="
+                                     "offline works without network; needs pip install -e \".[wandb]\")")
+    wandb_project: str = _opt("quadra", "W&B project")
+    wandb_entity: str = _opt("", "W&B entity (team or user); empty: the account's default")
+    wandb_run_name: str = _opt("", "W&B run name; empty: the run folder's name")
+    wandb_tags: list[str] = _opt([], "W&B run tags")
 
 
 @dataclass

@@ -12,6 +12,8 @@ attempt the ledger has, in seconds:
 - ``retrained_steps`` / ``retrained_s``: steps an earlier attempt had trained already and a restart
   trained again (those after its newest checkpoint);
 - ``checkpoint_s``: time the loop stood still for checkpoint saves;
+- ``evaluation_s``: time the loop spent evaluating between steps (validation loss and the ``[eval]``
+  downstream tasks), which is neither step time nor productive;
 - ``wall_s`` and ``end`` (``completed``, ``stopped``, or the cause of the failure).
 
 Goodput = Σ productive_s / the launch's wall time. Rank 0 keeps its attempt's running totals in the
@@ -64,7 +66,8 @@ class AttemptLedger:
         started_at = launch_time if attempt == 0 or start is None else start["started_at"]
         self.record = {"attempt": attempt, "started_at": started_at, "resumed_from": resumed_from,
                        "first_step_at": None, "last_step": resumed_from, "productive_steps": 0,
-                       "productive_s": 0.0, "retrained_steps": [], "retrained_s": 0.0, "checkpoint_s": 0.0}
+                       "productive_s": 0.0, "retrained_steps": [], "retrained_s": 0.0, "checkpoint_s": 0.0,
+                       "evaluation_s": 0.0}
 
     def step_started(self) -> None:
         """A step begins (the first one ends start-up)."""
@@ -85,6 +88,10 @@ class AttemptLedger:
     def checkpoint(self, seconds: float) -> None:
         """The loop stood still ``seconds`` for a checkpoint save."""
         self.record["checkpoint_s"] += seconds
+
+    def evaluation(self, seconds: float) -> None:
+        """The loop spent ``seconds`` evaluating (validation, downstream tasks) between steps."""
+        self.record["evaluation_s"] = self.record.get("evaluation_s", 0.0) + seconds
 
     def save(self) -> None:
         """Rewrite ``attempt-K.json`` (atomic); no-op without a state folder."""
@@ -116,7 +123,7 @@ def ledger(state_dir: str | None, attempts: list[dict], launch_time: float, end_
     """(one record per attempt, the launch's summary) from the running totals ``attempts``.
 
     ``end`` is how the last attempt ended when no ``attempt-K.end.json`` says otherwise."""
-    records, totals = [], {"productive_s": 0.0, "retrained_s": 0.0, "checkpoint_s": 0.0, "startup_s": 0.0,
+    records, totals = [], {"productive_s": 0.0, "retrained_s": 0.0, "checkpoint_s": 0.0, "evaluation_s": 0.0, "startup_s": 0.0,
                            "recovery_s": 0.0, "retrained_steps": 0, "productive_steps": 0}
     for a in attempts:
         k = a["attempt"]
@@ -130,10 +137,11 @@ def ledger(state_dir: str | None, attempts: list[dict], launch_time: float, end_
                   "recovery_s": None if restart is None or first is None else first - restart["failed_at"],
                   "productive_steps": a["productive_steps"], "productive_s": a["productive_s"],
                   "retrained_steps": a["retrained_steps"], "retrained_s": a["retrained_s"],
-                  "checkpoint_s": a["checkpoint_s"], "wall_s": ended - a["started_at"],
+                  "checkpoint_s": a["checkpoint_s"], "evaluation_s": a.get("evaluation_s", 0.0),
+                  "wall_s": ended - a["started_at"],
                   "end": finish["cause"] if finish else end}
         records.append(record)
-        for key in ("productive_s", "retrained_s", "checkpoint_s", "productive_steps"):
+        for key in ("productive_s", "retrained_s", "checkpoint_s", "evaluation_s", "productive_steps"):
             totals[key] += record[key]
         totals["retrained_steps"] += len(record["retrained_steps"])
         totals["startup_s"] += record["startup_s"] or 0.0

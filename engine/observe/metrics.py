@@ -1,4 +1,4 @@
-"""Training metrics: console line, TensorBoard scalars and a metrics.jsonl file.
+"""Training metrics: console line, TensorBoard scalars, a metrics.jsonl file and W&B (engine/observe/sinks.py).
 
 The trainer drives one ``MetricsLogger`` per rank::
 
@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from engine.observe.flops import compute_mfu, compute_tflops, get_peak_flops
+from engine.observe.sinks import WandbSink, drop_records_from
 
 logger = logging.getLogger("quadra")
 
@@ -128,43 +129,13 @@ _COMPUTED_KEYS = (
 )
 
 
-def _drop_records_from(path: str, step: int) -> list[int]:
-    """Rewrite the JSON-lines file ``path`` without the records whose ``step`` is ``step`` or later
-    (atomically: a temporary file replaces it); a torn last line (a crash mid-write) goes too.
-    Returns the steps of the records dropped. A missing file, or nothing to drop, leaves it as is."""
-    if not os.path.exists(path):
-        return []
-    with open(path, encoding="utf-8") as file:
-        lines = file.readlines()
-    kept, dropped, torn = [], [], False
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            torn = True
-            continue
-        logged = int(record.get("step", 0))
-        if logged >= step:
-            dropped.append(logged)
-        else:
-            kept.append(line if line.endswith("\n") else line + "\n")
-    if not dropped and not torn:
-        return []
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as file:
-        file.writelines(kept)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(tmp, path)
-    return dropped
-
-
 class MetricsLogger:
     """Per-rank training metrics: throughput, MFU, memory, data wait, ETA; console/TB/jsonl.
 
     Args:
         cfg: the ``[metrics]`` section; reads ``log_freq`` (steps, > 0), ``enable_tensorboard``,
-            ``save_tb_folder`` and ``peak_tflops`` (0: table lookup, see ``engine.observe.flops``).
+            ``save_tb_folder``, ``peak_tflops`` (0: table lookup, see ``engine.observe.flops``) and
+            ``enable_wandb`` (every record also to W&B under :attr:`wandb_run_id`, engine/observe/sinks.py).
         run_folder: the run's dump folder; receives ``metrics.jsonl`` and ``<save_tb_folder>/``.
         rank: global rank (kept for messages).
         is_logging_rank: only this rank prints, writes TensorBoard and metrics.jsonl.
@@ -214,6 +185,8 @@ class MetricsLogger:
 
         self._jsonl = None
         self._tb = None
+        self._wandb: WandbSink | None = None
+        self.wandb_run_id: str | None = None  # metrics.enable_wandb: set by the trainer before the first record
         self._closed = False
         # What identifies this launch (e.g. {"fingerprint": ..., "fingerprint_change": ...}): set by
         # the trainer; written as one "run" record before the launch's first step record.
@@ -327,7 +300,7 @@ class MetricsLogger:
         """Open metrics.jsonl for appending and the TensorBoard writer, replacing an earlier launch's
         records of ``step`` and later (class docstring)."""
         path = os.path.join(self._run_folder, "metrics.jsonl")
-        dropped = _drop_records_from(path, step)
+        dropped = drop_records_from(path, step)
         if dropped:
             logger.warning("metrics.jsonl: dropped %d records of steps %d-%d that an earlier launch logged; "
                            "this launch trains them again", len(dropped), min(dropped), max(dropped))
@@ -340,6 +313,8 @@ class MetricsLogger:
 
             self._tb = SummaryWriter(log_dir=os.path.join(self._run_folder, self.cfg.save_tb_folder),
                                      purge_step=step)
+        if getattr(self.cfg, "enable_wandb", False):
+            self._wandb = WandbSink(self.cfg, self._run_folder, self.wandb_run_id, dict(self.run_info))
 
     def _write(self, kind: str, record: dict[str, Any]) -> None:
         """Append one JSON line (flushed) and the numeric values as TensorBoard scalars."""
@@ -355,6 +330,8 @@ class MetricsLogger:
                 if key != "step" and isinstance(value, (int, float)):
                     self._tb.add_scalar(f"{kind}/{key}", value, step)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(kind, _json_safe(record))
 
     def log_event(self, kind: str, record: dict[str, Any]) -> None:
         """One record of ``kind`` (e.g. "skipped_step"): a metrics.jsonl line and its numbers as
@@ -381,15 +358,30 @@ class MetricsLogger:
             self._write("validation", record)
         return record
 
+    def log_eval(self, step: int, results: dict[str, dict[str, float]]) -> None:
+        """Report downstream task results ({task: {"acc", "acc_norm", "examples"}}): console
+        ``step: N  eval <task>: acc x  acc_norm y (n examples)`` per task, and one "eval" record
+        with ``<task>/<metric>`` keys (TensorBoard and W&B: ``eval/<task>/<metric>``). Logging rank."""
+        if not self.is_logging_rank:
+            return
+        for task, values in results.items():
+            logger.info(f"step: {step}  eval {task}: acc {values['acc']:.4f}  acc_norm {values['acc_norm']:.4f}  "
+                        f"({int(values['examples'])} examples)")
+        self._write("eval", {"step": step, **{f"{task}/{metric}": value for task, values in results.items()
+                                              for metric, value in values.items()}})
+
     def close(self) -> None:
-        """Flush and close metrics.jsonl and the TensorBoard writer (safe to call twice)."""
+        """Flush and close metrics.jsonl, the TensorBoard writer and the W&B run (safe to call twice)."""
         self._closed = True
         jsonl, tb, self._jsonl, self._tb = self._jsonl, self._tb, None, None
+        wandb_sink, self._wandb = self._wandb, None
         try:
             if jsonl is not None:
                 jsonl.close()
             if tb is not None:
                 tb.close()
+            if wandb_sink is not None:
+                wandb_sink.close()
         except OSError as error:  # e.g. the write that failed the run fails again at the flush
             logger.warning("metrics files could not be closed: %s", error)
 

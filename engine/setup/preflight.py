@@ -114,6 +114,7 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
     from parallelisms.pipeline_plan import plan_model_pipeline
 
     p, t = cfg.parallelism, cfg.training
+    _check_wandb(cfg)
     parallel_dims = ParallelDims.from_config(p, world_size)
     global_batch, accum = resolve_batch_sizes(t.local_batch_size, t.global_batch_size, parallel_dims.dp)
     model = resolve_model_setup(cfg)
@@ -139,11 +140,25 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
         refuse_unmatched([s.name for s in spec.get("param_shapes")(args)],
                          parse_rules(list(cfg.optimizer.param_groups), cfg.optimizer.name))
     _check_initial_load(cfg, base_args, label)
+    if cfg.eval.enable:  # every task file is read and checked (the ranks tokenize them)
+        from engine.data.eval_tasks import parse_task_specs, read_task
+
+        for name, path in parse_task_specs(list(cfg.eval.tasks)):
+            read_task(name, path, cfg.eval.limit)
     if check_data:
         _check_local_data(cfg, tokenizer)
         _check_checkpoint_folder(cfg)
     return SetupPlan(parallel_dims, spec, args, vocab, global_batch, accum,
                      model_record(cfg.model.name, base_args), label, tokenizer, pp_plans)
+
+
+def _check_wandb(cfg) -> None:
+    """Refuse ``metrics.enable_wandb`` without the wandb package, naming the install command."""
+    import importlib.util
+
+    if cfg.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
+        raise ValueError('metrics.enable_wandb = true needs the wandb package: pip install -e ".[wandb]" '
+                         "(or set metrics.enable_wandb = false)")
 
 
 def _plans_of_every_rank(plan, pp: int) -> tuple:

@@ -8,6 +8,7 @@ import re
 from engine.checkpoint import files as checkpoint_files
 
 _FIXES = {"validation": "set validation.enable = false to train on without it",
+          "downstream evaluation": "set eval.enable = false to train on without it",
           "profiler": "set profiling.enable = false",
           "metrics": "check the run folder's disk space and permissions",
           "checkpoint save": "check the checkpoint folder's disk space and permissions"}

@@ -28,6 +28,19 @@ def token_sum_loss(logits: torch.Tensor, labels: torch.Tensor, global_tokens: to
     return loss_sum / global_tokens
 
 
+def row_sum_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Float64 [B]: the cross-entropy sum (nats) over the label tokens of each row of ``logits``
+    [B, S, V] / ``labels`` [B, S] (-100: not scored), i.e. minus each row's log-likelihood of its
+    labels. Logits sharded on the vocabulary (a DTensor under ``loss_parallel()``) give per-token
+    losses replicated on the tp mesh (torch.distributed.tensor.parallel.loss_parallel,
+    ``reduction="none"``), of which this takes the local value."""
+    flat = logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32))
+    per_token = F.cross_entropy(flat, labels.flatten(0, 1), reduction="none", ignore_index=IGNORE_INDEX)
+    if hasattr(per_token, "full_tensor"):  # a DTensor: replicated per-token losses
+        per_token = per_token.full_tensor()
+    return per_token.view(labels.shape).double().sum(dim=1)
+
+
 class ZLoss:
     """PaLM's z-loss of a run (Chowdhery et al. 2022, Sec. 5: ``weight * logsumexp(logits)^2`` per label
     token, keeping the softmax normaliser near 1): its ``weight`` (``[loss] z_loss_weight``) and the

@@ -98,6 +98,17 @@ class RunRecovery:
         if self.ledger is not None:
             self.ledger.checkpoint(time.perf_counter() - start)
 
+    @contextlib.contextmanager
+    def evaluating(self):
+        """Around an evaluation between steps (validation, ``[eval]`` tasks): its time is evaluation
+        time in the ledger, and the watchdog counts it as progress when done."""
+        start = time.perf_counter()
+        yield
+        if self.watchdog is not None:
+            self.watchdog.beat(self.trainer.step)
+        if self.ledger is not None:
+            self.ledger.evaluation(time.perf_counter() - start)
+
     def stop(self) -> None:
         """Training ended (or failed): the watchdog stops."""
         self._training = False

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from engine.train.loss import IGNORE_INDEX, fused_stage_loss, model_loss, token_sum_loss
+from engine.train.loss import IGNORE_INDEX, fused_stage_loss, model_loss, row_sum_loss, token_sum_loss
 from parallelisms.context_parallel import ContextParallel
 from parallelisms.data_parallel import sync_on_last_microbatch
 from parallelisms.pipeline import PipelinePlan, build_pipeline_schedule, evaluation_order
@@ -209,6 +209,34 @@ class SingleRunner(_Runner):
                                        chunk_tokens=self.context.loss_chunk_tokens, **kwargs)).double()
         return loss, (labels != IGNORE_INDEX).sum()
 
+    @torch.no_grad()
+    def evaluate_rows(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Float64 [B]: each row's cross-entropy sum over its label tokens (nats; this rank's tokens
+        of the row under context parallel), forward only, from the full logits (also when the training
+        loss is fused), vocab-sharded under loss parallel."""
+        inputs, kwargs = self.context.model_inputs(inputs)
+        with self.context.autocast(), self.context.loss_and_positions():
+            return row_sum_loss(self.model_parts[0](inputs, **kwargs), labels)
+
+
+class _StageLoss:
+    """The pipeline schedule's loss function, switchable for evaluation: torch's schedules call it
+    once per microbatch on the last stage, in microbatch order, and keep what it returns."""
+
+    def __init__(self, fn):
+        self.fn = self.training_fn = fn
+
+    def __call__(self, output, target, **kwargs):
+        return self.fn(output, target, **kwargs)
+
+    @contextlib.contextmanager
+    def use(self, fn):
+        self.fn = fn
+        try:
+            yield
+        finally:
+            self.fn = self.training_fn
+
 
 class PipelineRunner(_Runner):
     """This rank's stages of ``plan``, driven by the planned torch schedule.
@@ -224,7 +252,8 @@ class PipelineRunner(_Runner):
         # model keyword (torch's schedules split keyword tensors into microbatches like the inputs).
         loss_fn = fused_stage_loss if context.loss_chunk_tokens > 0 else functools.partial(token_sum_loss,
                                                                                              z_loss=context.z_loss)
-        self.schedule, stages = build_pipeline_schedule(plan, model_parts, pp_mesh, context.device, loss_fn)
+        self.stage_loss = _StageLoss(loss_fn)
+        self.schedule, stages = build_pipeline_schedule(plan, model_parts, pp_mesh, context.device, self.stage_loss)
         self.plan, self.pp_size = plan, pp_mesh.size()
         self.has_first = 0 in plan.local_stages
         self.has_last = plan.num_stages - 1 in plan.local_stages
@@ -280,6 +309,23 @@ class PipelineRunner(_Runner):
             total += to_local(loss).double()
         tokens = (labels != IGNORE_INDEX).sum() if self.has_last else torch.zeros((), dtype=torch.int64, device=labels.device)
         return total, tokens
+
+    @torch.no_grad()
+    def evaluate_rows(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """As :meth:`SingleRunner.evaluate_rows` through the schedule's forward-only path
+        (``schedule.eval``): the rows' sums on the last stage, zeros elsewhere (:meth:`sum_over_stages`
+        shares them). The stages return logits (no labels keyword), the loss function gives each
+        microbatch's rows."""
+        rows: list[torch.Tensor] = []
+        inputs, kwargs = self.context.model_inputs(inputs)
+        args = (inputs,) if self.has_first else ()
+        with self.context.autocast(), self.context.loss_and_positions(), \
+                evaluation_order(self.schedule, self.plan, self.pp_size), self.stage_loss.use(row_sum_loss):
+            self.schedule.eval(*args, target=labels if self.has_last else None, losses=rows,
+                               return_outputs=False, **kwargs)
+        if not self.has_last:
+            return torch.zeros(labels.shape[0], device=self.context.device, dtype=torch.float64)
+        return torch.cat(rows)
 
     def _model_kwargs(self, labels: torch.Tensor) -> dict:
         """Keywords of every stage's forward: the labels and chunk size of the fused loss (stages

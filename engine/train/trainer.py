@@ -15,7 +15,6 @@ import collections
 import dataclasses
 import gc
 import logging
-import math
 import os
 import time
 
@@ -29,9 +28,12 @@ from engine.config.fingerprint import run_fingerprint
 from engine.data import build_dataloader, build_validation_dataloader
 from engine.train.distributed import init_distributed, is_peer_failure
 from engine.train.documents import document_inputs
+from engine.train.downstream import DownstreamEvaluation
+from engine.train.evaluation import evaluate_when_due, validation_loss
 from engine.train.loss import IGNORE_INDEX, ZLoss
 from engine.train.lr_scheduler import build_lr_scheduler
 from engine.observe.metrics import MetricsLogger
+from engine.observe.sinks import agreed_run_id
 from engine.setup.model_builder import build_context_parallel, build_model_parts
 from engine.train.optimizer import build_optimizer
 from engine.setup.preflight import check_setup
@@ -102,6 +104,7 @@ class Trainer:
         self.model_parts = self._build_model()
         self.z_loss = ZLoss(cfg.loss.z_loss_weight)  # PaLM's z-loss: added by the loss, logged apart
         self.runner = self._build_runner()
+        self.downstream = self._build_downstream() if cfg.eval.enable else None  # bad task file: fails now
         self.recorder = StepRecorder(cfg.record, self.run_folder, self.model_parts, self.parallel_dims,
                                      self.context_parallel, self.dist.rank)
         self.optimizer = build_optimizer(self.model_parts, cfg.optimizer, whole_model=not self.parallel_dims.pp_enabled)
@@ -120,6 +123,8 @@ class Trainer:
         self.stop_saved = False
         self.checkpointer = self._build_checkpointer()
         self.checkpointer.load()  # continue where an earlier run of this folder stopped, if it saved
+        if cfg.metrics.enable_wandb:  # a resume continues the checkpoint's W&B run
+            self.metrics.wandb_run_id = agreed_run_id(self.metrics.wandb_run_id, self.dist.is_distributed)
         self.recovery = RunRecovery(cfg, self)  # says why this attempt runs and from where; the ledger
         self.metrics.run_info = {"fingerprint": self.fingerprint}
         if self.checkpointer.fingerprint_change:
@@ -167,6 +172,14 @@ class Trainer:
             return SingleRunner(self.model_parts, context,
                                 sync_each_microbatch=self.cfg.parallelism.grad_sync_each_microbatch)
         return PipelineRunner(self.pp_plan, self.model_parts, dims.mesh("pp"), context)
+
+    def _build_downstream(self) -> DownstreamEvaluation:
+        reduce = lambda x: self.runner.sum_over_stages(self._dp_sum(x))  # noqa: E731
+        return DownstreamEvaluation(self.cfg.eval, self.tokenizer, seq_len=self.cfg.training.seq_len,
+                                    rows_per_batch=self.cfg.training.local_batch_size, dp_rank=self.dp_rank,
+                                    dp_degree=self.parallel_dims.dp, runner=self.runner, reduce=reduce,
+                                    row_multiple=self.parallel_dims.tp,
+                                    fixed_length=self.parallel_dims.pp_enabled or self.parallel_dims.cp_enabled)
 
     def _build_checkpointer(self) -> CheckpointManager:
         return CheckpointManager(
@@ -285,30 +298,21 @@ class Trainer:
         evaluated in batches of ``training.local_batch_size`` (the shapes training runs)."""
         if self._val_loader is None:  # each iteration of the loader restarts the split
             self._val_loader = self._build_validation_loader()
-        for part in self.model_parts:
-            part.eval()
-        totals = torch.zeros(2, device=self.device, dtype=torch.float64)  # [loss sum, label tokens]
-        local = self.cfg.training.local_batch_size
-        for rank_inputs, rank_labels in self._val_loader:
-            for inputs, labels in zip(rank_inputs.split(local), rank_labels.split(local)):
-                loss, tokens = self.runner.evaluate(*self.runner.context.shard(inputs, labels))
-                totals[0] += loss
-                totals[1] += tokens
-        for part in self.model_parts:
-            part.train()
-        self.runner.sum_over_stages(self._dp_sum(totals))
-        return float(totals[0] / totals[1].clamp_min(1))
+        return validation_loss(self.runner, self._val_loader, self.model_parts, self.cfg.training.local_batch_size,
+                               self.device, lambda x: self.runner.sum_over_stages(self._dp_sum(x)))
 
     # ------------------------------------------------------------------ checkpointed state
     def state_dict(self) -> dict:
-        """The loop's own state: completed steps and tokens seen (components save theirs)."""
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "step_health": self.step_health.state_dict()}
+        """The loop's own state: completed steps, tokens seen, the W&B run id (components save theirs)."""
+        state = {"step": self.step, "tokens_seen": self.tokens_seen, "step_health": self.step_health.state_dict()}
+        return {**state, "wandb_run_id": self.metrics.wandb_run_id} if self.cfg.metrics.enable_wandb else state
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
         if "step_health" in state:  # absent from checkpoints saved before [step_health] existed
             self.step_health.load_state_dict(state["step_health"])
+        self.metrics.wandb_run_id = state.get("wandb_run_id") or self.metrics.wandb_run_id
 
     # ------------------------------------------------------------------ the loop
     def train(self, steps: int | None = None) -> list[dict]:
@@ -381,12 +385,7 @@ class Trainer:
                              files_only={**times, **self.dataloader.log_metrics()})
         if self.cfg.training.gc_freq > 0 and self.step % self.cfg.training.gc_freq == 0:
             gc.collect(1)
-        v = self.cfg.validation
-        if v.enable and (self.step % v.freq == 0 or self.step == last):
-            self._after_step_phase = "validation"
-            val_loss = self.validate()
-            self._after_step_phase = "metrics"
-            self.metrics.log_validation(self.step, val_loss, math.exp(min(val_loss, 50.0)))
+        evaluate_when_due(self, last)  # validation and the [eval] tasks (engine/train/evaluation.py)
 
     def close(self, wait: bool = True) -> None:
         """Finish a checkpoint in flight (``wait``: skipped after a failure, since it may need other

@@ -1,0 +1,123 @@
+"""Weights & Biases ([metrics] enable_wandb, engine/observe/sinks.py) in offline mode: a run stopped
+after step 3 and resumed to step 6 is one W&B run (the id travels in the checkpoint) whose history
+holds steps 1-6 once each, with the keys of metrics.jsonl; the config names it; without the wandb
+package the pre-flight refuses in one line."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import struct
+
+import pytest
+
+from tests.dist_utils import run_distributed
+from tests.extras import require_extra
+from tests.training_utils import base_args
+
+BLOCK = 32768  # the LevelDB log format of the .wandb transaction log: 32 KiB blocks
+HEADER = 7  # ":W&B", 2 magic bytes, a version byte; then records of crc (4), length (2), type (1)
+
+
+def read_wandb_records(path: str) -> list:
+    """Every ``wandb_internal_pb2.Record`` of an offline run's ``run-<id>.wandb`` file, parsed with
+    wandb's own protobuf classes (its Python reader of the log framing is gone from wandb 0.31)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B", path
+    records, pos, chunks = [], HEADER, b""
+    while pos + 7 <= len(data):
+        if BLOCK - pos % BLOCK < 7:  # a block's tail too short for a header is padding
+            pos += BLOCK - pos % BLOCK
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunks += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL, LAST
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunks)
+            records.append(record)
+            chunks = b""
+        elif kind == 0:
+            break
+    return records
+
+
+def _train(argv: list[str]) -> None:
+    from engine.config import load_config
+    from engine.train.trainer import Trainer
+
+    trainer = Trainer(load_config(argv))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+
+
+def _numeric_keys(record: dict) -> set[str]:
+    return {f"{record['kind']}/{key}" for key, value in record.items()
+            if key not in ("step", "kind") and isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
+@pytest.mark.slow  # two launches, each starting W&B's service process (~4 s)
+def test_offline_run_stopped_and_resumed_is_one_run_with_the_metrics(tmp_path, monkeypatch):
+    require_extra("wandb")
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / name.lower()))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    task = tmp_path / "task.jsonl"
+    task.write_text(json.dumps({"context": "KING.", "choices": ["My lord", "xq"], "gold": 0}) + "\n")
+    run = tmp_path / "run"
+    overrides = {"training.steps": 6, "checkpoint.enable": True, "checkpoint.interval": 3,
+                 "metrics.enable_wandb": True, "metrics.wandb_run_name": "resumed-run",
+                 "metrics.wandb_tags": "cpu,test", "validation.freq": 2,
+                 "eval.enable": True, "eval.tasks": str(task), "eval.freq": 3}
+    run_distributed(_train, 1, base_args(str(run), {**overrides, "training.stop_after_step": 3}), torchrun_env=False)
+    run_distributed(_train, 1, base_args(str(run), overrides), torchrun_env=False)
+
+    folders = sorted(glob.glob(str(run / "wandb" / "offline-run-*")))
+    assert len(folders) == 2, folders  # one per launch, of the same run:
+    ids = {folder.rsplit("-", 1)[1] for folder in folders}
+    assert len(ids) == 1, ids
+    history: dict[int, set[str]] = {}
+    runs = []
+    for folder in folders:
+        (log,) = glob.glob(os.path.join(folder, "run-*.wandb"))
+        for record in read_wandb_records(log):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                runs.append((record.run.run_id, record.run.display_name, list(record.run.tags)))
+            elif kind == "history":
+                step = record.history.step.num
+                keys = {item.key or "/".join(item.nested_key) for item in record.history.item}
+                keys = {k for k in keys if not k.startswith("_")}  # W&B's own (_step, _runtime, _timestamp)
+                assert step not in history, f"step {step} logged twice"
+                history[step] = keys
+    assert runs and all(r == (next(iter(ids)), "resumed-run", ["cpu", "test"]) for r in runs), runs
+    assert sorted(history) == [1, 2, 3, 4, 5, 6]
+    want: dict[int, set[str]] = {}
+    with open(run / "metrics.jsonl") as file:
+        for line in file:
+            record = json.loads(line)
+            if record["kind"] in ("train", "validation", "eval"):
+                want.setdefault(record["step"], set()).update(_numeric_keys(record))
+    assert {"train/loss", "validation/loss", "eval/task/acc", "eval/task/acc_norm"} <= want[6]
+    assert history == want
+
+
+def test_enable_wandb_without_wandb_is_refused_at_preflight(tmp_path, monkeypatch):
+    import importlib.util
+
+    from engine.config import load_config
+    from engine.setup.preflight import check_setup
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    cfg = load_config(base_args(str(tmp_path), {"metrics.enable_wandb": True}))
+    with pytest.raises(ValueError) as error:
+        check_setup(cfg, 1, "cpu")
+    message = str(error.value)
+    assert "metrics.enable_wandb" in message and 'pip install -e ".[wandb]"' in message and "\n" not in message
