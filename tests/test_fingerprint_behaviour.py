@@ -205,6 +205,9 @@ UNEXERCISED = {
     "compile.enable": (NUMERICS, "inductor's C++ build of the blocks costs ~30 s on 2 cores; "
                                  "tests/test_ac_compile.py::test_compile_parity holds it to the fp32 tolerance"),
     "compile.backend": (NUMERICS, "acts with compile.enable only (see compile.enable)"),
+    **{f"fault_tolerance.{key}": (EXECUTION, "torchft replica groups need a lighthouse and one launch per group: "
+                                             "tests/test_fault_tolerance.py checks 2 groups x fsdp2 against HSDP 2x2")
+       for key in ("enable", "group_size", "replica_id", "min_replica_size", "lighthouse", "quorum_timeout_seconds")},
 }
 
 CHECKED = sorted(key for key in KEY_CLASS if key in SPECS and key not in UNEXERCISED)
