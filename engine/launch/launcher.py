@@ -284,6 +284,8 @@ def _replica_groups(cfg, nproc: int, nnodes: int) -> int:
     if ft.replica_id == -1:
         return group_arguments(ft, nproc, nnodes)
     address = lighthouse_address(ft)
+    if os.environ.get("QUADRA_PREFLIGHT_DONE"):  # a group of replica_groups.py, whose lighthouse is starting
+        return 0
     if not address:
         raise ReplicaLaunchError(f"fault_tolerance.replica_id = {ft.replica_id} needs the job's lighthouse: set "
                                  "fault_tolerance.lighthouse or TORCHFT_LIGHTHOUSE to http://HOST:PORT")

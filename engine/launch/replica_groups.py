@@ -62,28 +62,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_lighthouse(min_replicas: int, join_timeout_ms: int = 10000) -> tuple[subprocess.Popen, str]:
-    """Start ``torchft_lighthouse`` on a free port of this host; -> (process, its http address).
+def start_lighthouse(min_replicas: int, log_path: str, join_timeout_ms: int = 10000) -> tuple[subprocess.Popen, str]:
+    """Start ``torchft_lighthouse`` on a free port of this host, its output in ``log_path``; -> (process,
+    its http address). It answers once it has imported torchft (seconds); the groups' managers wait
+    for it (their connect timeout is ``quorum_timeout_seconds``), so the groups start at once.
 
     A quorum waits up to ``join_timeout_ms`` for every group whose manager heartbeats (a group that is
     starting or restarting: engine/train/trainer.py makes the manager first); a group silent for 5 s
     is left out.
 
     Raises:
-        ReplicaLaunchError: the binary (installed with torchft) is not found, or it does not answer.
+        ReplicaLaunchError: the binary (installed with torchft) is not found.
     """
     binary = shutil.which("torchft_lighthouse") or os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
     if not os.path.exists(binary):
         raise ReplicaLaunchError('fault_tolerance.enable = true: torchft_lighthouse is not found; install torchft '
                                  'with pip install -e ".[ft]"')
     port = _free_port()
-    process = subprocess.Popen(
-        [binary, "--min_replicas", str(min_replicas), "--bind", f"[::]:{port}", "--quorum_tick_ms", "100",
-         "--join_timeout_ms", str(join_timeout_ms), "--heartbeat_timeout_ms", "5000"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    address = f"http://{socket.gethostname()}:{port}"
-    check_lighthouse(address, timeout_s=15.0)
-    return process, address
+    os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(
+            [binary, "--min_replicas", str(min_replicas), "--bind", f"[::]:{port}", "--quorum_tick_ms", "100",
+             "--join_timeout_ms", str(join_timeout_ms), "--heartbeat_timeout_ms", "5000"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return process, f"http://{socket.gethostname()}:{port}"
 
 
 def group_arguments(section, nproc: int, nnodes: int) -> int:
@@ -103,14 +105,14 @@ def group_arguments(section, nproc: int, nnodes: int) -> int:
     return nproc // section.group_size
 
 
-def run_groups(section, argv: list[str], per_group: int, address: str) -> int:
+def run_groups(section, argv: list[str], per_group: int, address: str, lighthouse=None) -> int:
     """Start ``group_size`` launches of ``engine.launch`` and wait for all; -> the worst exit status.
 
     SIGTERM / SIGUSR1 / SIGINT to this process go to every group's launcher (each saves and exits 0
     as a single launch does)."""
     # RUST_LOG: torchft's Rust side logs every quorum and commit at INFO; warnings and errors stay.
     env = {"RUST_LOG": "warn", **os.environ, "NGPU": str(per_group), LIGHTHOUSE_ENV: address,
-           "QUADRA_PREFLIGHT_DONE": "1"}
+           "QUADRA_PREFLIGHT_DONE": "1"}  # (also: the lighthouse is ours, its groups need not check it)
     groups = [subprocess.Popen([sys.executable, "-m", "engine.launch", *argv,
                                 "--fault_tolerance.replica_id", str(g)], env={**env, "QUADRA_REPLICA_ID": str(g)})
               for g in range(section.group_size)]
@@ -122,7 +124,13 @@ def run_groups(section, argv: list[str], per_group: int, address: str) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, forward)
-    statuses = [group.wait() for group in groups]
+    while any(group.poll() is None for group in groups):
+        if lighthouse is not None and lighthouse.poll() is not None:
+            print(f"quadra: the torchft lighthouse ended with status {lighthouse.returncode} (its output: "
+                  "lighthouse.log in the run folder); the groups fail at their next quorum", file=sys.stderr)
+            lighthouse = None
+        time.sleep(0.5)
+    statuses = [group.returncode for group in groups]
     return max(statuses, key=lambda status: (status != 0, abs(status)))
 
 
@@ -134,11 +142,11 @@ def launch_replica_groups(cfg, argv: list[str], nproc: int, nnodes: int) -> int:
     if address:
         check_lighthouse(address)
     else:
-        lighthouse, address = start_lighthouse(section.min_replica_size)
+        lighthouse, address = start_lighthouse(section.min_replica_size, os.path.join(cfg.run_folder, "lighthouse.log"))
         print(f"quadra: torchft lighthouse at {address} (min_replicas {section.min_replica_size}); "
               f"{section.group_size} replica groups of {per_group} ranks", file=sys.stderr, flush=True)
     try:
-        return run_groups(section, argv, per_group, address)
+        return run_groups(section, argv, per_group, address, lighthouse)
     finally:
         if lighthouse is not None:
             lighthouse.terminate()

@@ -116,7 +116,7 @@ class ReplicaGroup:
             store_addr=host, store_port=port, lighthouse_addr=lighthouse or None,
             replica_id=f"quadra_{self.replica_id}", init_sync=False,
         )
-        self.participants, self.first, self.timeout = 0, True, timeout
+        self.participants, self.wait_all, self.timeout = 0, True, timeout
 
     # ------------------------------------------------------------------ the step
     def start_step(self) -> None:
@@ -127,14 +127,18 @@ class ReplicaGroup:
         the first steps of a fresh job (and heal later)."""
         self.manager.start_quorum()
         deadline = time.monotonic() + self.timeout.total_seconds()
-        while self.first and self.manager.num_participants() < self.group_size and time.monotonic() < deadline:
+        while self.wait_all and self.manager.num_participants() < self.group_size and time.monotonic() < deadline:
             time.sleep(0.2)
             self.manager.start_quorum()
-        self.first = False
+        self.wait_all = False
         previous, self.participants = self.participants, self.manager.num_participants()
         if previous and self.participants != previous and self.trainer.dist.rank == 0:
             logger.warning("step %d: %d of %d replica groups take part", self.trainer.step + 1, self.participants,
                            self.group_size)
+
+    def wait_for_every_group(self) -> None:
+        """The next step's quorum waits, as the first one does, until every group takes part."""
+        self.wait_all = True
 
     def sum_(self, value: torch.Tensor) -> torch.Tensor:
         """Sum ``value`` in place over the participating groups (a healing group adds zero)."""

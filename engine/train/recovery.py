@@ -76,7 +76,8 @@ class RunRecovery:
             self.watchdog.beat(step)
         if self.ledger is not None:
             self.ledger.step_started()
-        test_hook(step, self.rank)  # QUADRA_TEST_FAULT only: the tests' hang, killed rank or node
+        ft = getattr(self.trainer, "ft", None)  # QUADRA_TEST_FAULT only: the tests' hang, killed rank or node
+        test_hook(step, self.rank, wait_for_every_group=ft.wait_for_every_group if ft is not None else None)
 
     def step_done(self, step: int, seconds: float) -> None:
         """Step ``step`` is done after ``seconds`` (wall seconds of the step itself)."""
