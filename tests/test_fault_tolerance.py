@@ -82,27 +82,28 @@ def test_fault_free_groups_equal_hsdp_over_one_torchrun(corpus, tmp_path):
 
 def test_a_killed_group_heals_from_the_live_one_which_never_stops(corpus, tmp_path):
     """2 groups of 1 rank, 12 steps; group 1's rank SIGKILLed at the start of step 4 (MAX_RESTARTS=1
-    restarts that group alone); group 0 steps on alone through steps 4 and 5 and, at step 6, waits
-    for every group (a restart takes longer than its steps here). Group 0 ends in one attempt with
-    every step 1-12; group 1 heals at step 6 from group 0 and both end with the same model and
-    optimizer state, bitwise."""
+    restarts that group alone). Group 0 ends in one attempt with every step 1-12: from step 4 alone
+    until group 1, restarted, heals from it at step K (at the latest K = 7: at step 8 group 0 waits for
+    every group, the test hook "rejoin", since a restart here may take longer than its steps); from
+    step K + 1 both groups step together, and they end with the same state (model, optimizer, data
+    position, schedule, step), bitwise."""
     folder = str(tmp_path / "ft")
     proc = _launch(_args(folder, corpus, **{"training.steps": 12, "fault_tolerance.quorum_timeout_seconds": 240},
-                         **GROUPS), NGPU="2", MAX_RESTARTS="1", QUADRA_TEST_FAULT="kill:0:4:1,rejoin:0:6:0")
+                         **GROUPS), NGPU="2", MAX_RESTARTS="1", QUADRA_TEST_FAULT="kill:0:4:1,rejoin:0:8:0")
     out = _finish(proc, timeout=300)
     assert proc.returncode == 0, out[-3000:]
     live, healed = (os.path.join(folder, f"replica-{g}") for g in (0, 1))
     records = _train_records(live)
     assert [r["step"] for r in records] == list(range(1, 13)), records
     replicas = {r["step"]: r["replicas"] for r in records}
+    heal = [int(line.rsplit(" ", 1)[1]) for line in out.splitlines() if "healed from a live peer at step" in line]
     alone = [step for step, n in replicas.items() if n == 1]
-    print("steps with one group:", alone, "replicas per step:", replicas)
-    assert alone == [4, 5] and replicas[12] == 2, (replicas, out[-3000:])
+    print("group 1 healed at step", heal, "; steps with one group:", alone)
+    assert len(heal) == 1 and 4 <= heal[0] <= 7 and alone == list(range(4, heal[0] + 1)), (heal, replicas, out[-3000:])
     assert [a["end"] for a in _train_records(live, "attempt")] == ["completed"]
     rejoined = [r for r in _train_records(healed) if r["step"] > 3]
-    assert rejoined and all(r["replicas"] == 2 for r in rejoined) and rejoined[-1]["step"] == 12, (rejoined, out[-3000:])
-    assert rejoined[0]["step"] == 6, (rejoined[0], out[-3000:])
-    assert "healed from a live peer" in out, out[-3000:]
+    assert [r["step"] for r in rejoined] == list(range(heal[0] + 1, 13)), (rejoined, out[-3000:])
+    assert all(r["replicas"] == 2 for r in rejoined), rejoined
     assert_bitwise_equal(_model_and_optimizer(healed, 12, tmp_path, everything=True),
                          _model_and_optimizer(live, 12, tmp_path, everything=True), "healed group vs live group")
 

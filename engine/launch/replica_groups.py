@@ -62,14 +62,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_lighthouse(min_replicas: int, log_path: str, join_timeout_ms: int = 10000) -> tuple[subprocess.Popen, str]:
+def start_lighthouse(min_replicas: int, log_path: str, join_timeout_ms: int = 1000) -> tuple[subprocess.Popen, str]:
     """Start ``torchft_lighthouse`` on a free port of this host, its output in ``log_path``; -> (process,
     its http address). It answers once it has imported torchft (seconds); the groups' managers wait
     for it (their connect timeout is ``quorum_timeout_seconds``), so the groups start at once.
 
-    A quorum waits up to ``join_timeout_ms`` for every group whose manager heartbeats (a group that is
-    starting or restarting: engine/train/trainer.py makes the manager first); a group silent for 5 s
-    is left out.
+    A quorum waits up to ``join_timeout_ms`` for the groups whose managers heartbeat but have not asked
+    yet, so a dead group (heartbeats stop; left out after 5 s) holds the others about a second; a
+    restarted group joins the quorum after the one it asks for. A job's first step waits for every
+    group (engine/train/fault_tolerance.py).
 
     Raises:
         ReplicaLaunchError: the binary (installed with torchft) is not found.

@@ -26,6 +26,7 @@ import logging
 import os
 import socket
 import time
+import warnings
 from datetime import timedelta
 
 import torch
@@ -33,6 +34,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger("quadra")
+# torchft's HTTP transport hands the received state to torch.frombuffer, which warns once; the tensors
+# are copied into this rank's own (engine/train/fault_tolerance.py: _load_live_state).
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
 def data_ranks(section, dp: int, dp_rank: int) -> tuple[int, int]:

@@ -56,6 +56,8 @@ class RunRecovery:
         if restart is not None:
             resumed = f"resumed from checkpoint step-{step}" if step else "started again from step 0 (no checkpoint)"
             again = self.ledger.retrained_range()
+            if getattr(self.trainer, "ft", None) is not None:  # torchft: it heals from a live group instead
+                resumed, again = "rejoins the replica groups and heals from a live one at its first step", None
             again = "" if not again else (f"; step {again[0]} is trained again" if again[0] == again[1]
                                           else f"; steps {again[0]}-{again[1]} are trained again")
             logger.warning("quadra: restart %d of %s after %s: %s%s", self.attempt, restart.get("max_restarts", "?"),
