@@ -58,6 +58,8 @@ loss.mtp_weight
 profiling.enable profiling.start_step profiling.num_steps profiling.traces_folder profiling.memory_snapshot
 document_mask.enable document_mask.restart_positions
 record.step record.folder
+fault_tolerance.enable fault_tolerance.group_size fault_tolerance.replica_id fault_tolerance.min_replica_size
+fault_tolerance.lighthouse fault_tolerance.quorum_timeout_seconds
 """.split()
 
 

@@ -76,6 +76,9 @@ _CLASSES: dict[str, dict[str, tuple[str, ...]]] = {
         "activation_checkpoint": ("mode", "selective_ac_option"),
         "profiling": ("enable", "start_step", "num_steps", "traces_folder", "memory_snapshot"),
         "record": ("step", "folder"),  # observes one step, changes none
+        # The groups are the outer data-parallel dimension: a layout (tests/test_fault_tolerance.py).
+        "fault_tolerance": ("enable", "group_size", "replica_id", "min_replica_size", "lighthouse",
+                            "quorum_timeout_seconds"),
     },
 }
 
@@ -95,7 +98,8 @@ NEUTRAL_WHEN = {"document_mask.enable": False, "document_mask.restart_positions"
 
 GLOBAL_BATCH = "training.global_batch_size"
 # What sets the global batch when training.global_batch_size = -1 (local_batch_size x dp degree).
-SET_GLOBAL_BATCH = ("training.local_batch_size", "parallelism.dp_replicate", "parallelism.dp_shard")
+SET_GLOBAL_BATCH = ("training.local_batch_size", "parallelism.dp_replicate", "parallelism.dp_shard",
+                    "fault_tolerance.group_size")
 
 
 def key_class(key: str) -> str:

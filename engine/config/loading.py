@@ -32,7 +32,8 @@ from engine.config.toml_format import cli_value, toml_value
 from engine.config.validation import config_warnings, range_problems
 from engine.config.schema import (  # the section dataclasses, re-exported for type hints
     ActivationCheckpointSection, CheckpointSection, CommSection, CompileSection, DataSection, DocumentMaskSection,
-    EvalSection, JobSection, LossSection, LRSchedulerSection, MetricsSection, ModelSection, OptimizerSection,
+    EvalSection, FaultToleranceSection, JobSection, LossSection, LRSchedulerSection, MetricsSection, ModelSection,
+    OptimizerSection,
     ParallelismSection, ProfilingSection, RecordSection, StepHealthSection, TrainingSection, ValidationSection,
 )
 
@@ -72,10 +73,16 @@ class JobConfig:
     profiling: ProfilingSection = field(default_factory=ProfilingSection)
     document_mask: DocumentMaskSection = field(default_factory=DocumentMaskSection)
     record: RecordSection = field(default_factory=RecordSection)
+    fault_tolerance: FaultToleranceSection = field(default_factory=FaultToleranceSection)
 
     @property
     def run_folder(self) -> str:
-        """The run folder; see :func:`resolve_dump_folder`."""
+        """The run folder; see :func:`resolve_dump_folder`. One torchft replica group
+        (``fault_tolerance.replica_id`` >= 0) has its own ``replica-<id>`` folder inside it: its
+        metrics, checkpoints and failure records."""
+        ft = self.fault_tolerance
+        if ft.enable and ft.replica_id >= 0:
+            return os.path.join(resolve_dump_folder(self), f"replica-{ft.replica_id}")
         return resolve_dump_folder(self)
 
     def validate(self) -> None:

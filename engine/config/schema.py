@@ -332,3 +332,21 @@ class RecordSection:
                         "output and, after backward, each parameter's reduced gradient; 0: off")
     folder: str = _opt("record", "where the records go (rank-<r>.pt), relative to the run folder")
 
+
+
+@dataclass
+class FaultToleranceSection:
+    """``[fault_tolerance]``: torchft replica groups (engine/train/fault_tolerance.py): the outer data-parallel
+    dimension is ``group_size`` groups that fail, rejoin and heal from a live peer while the others step on."""
+
+    enable: bool = _opt(False, "train as torchft replica groups (pip install -e \".[ft]\"); parallelism.dp_replicate "
+                               "must be 1: the groups are the replicas (HSDP across groups, FSDP2 inside one)")
+    group_size: int = _opt(2, "number of replica groups; the ranks of one launch (NGPU x NNODES) are one group, "
+                              "or, with replica_id = -1, NGPU is split evenly over the groups of this node")
+    replica_id: int = _opt(-1, "this launch's group, 0 .. group_size-1; -1: the launcher starts every group on "
+                               "this node (and a lighthouse when none is given)")
+    min_replica_size: int = _opt(1, "a step commits only when at least this many groups took part")
+    lighthouse: str = _opt("", "the lighthouse's address (http://host:port); empty: $TORCHFT_LIGHTHOUSE, else, "
+                               "with replica_id = -1, a lighthouse started by the launcher")
+    quorum_timeout_seconds: int = _opt(60, "how long a step waits for the quorum and its collectives across groups, "
+                                           "seconds")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from engine.config.extras import missing_extra
 from engine.config.toml_format import toml_value
 from engine.config.schema import CheckpointSection
 
@@ -26,6 +27,27 @@ def loss_problems(loss, p) -> list[tuple[bool, str, Any, str]]:
         (z > 0 and p.tp > 1 and p.loss_parallel and loss.chunk_tokens == 0, "loss.z_loss_weight", z,
          "with tp > 1 needs the fused loss (loss.chunk_tokens > 0, vocab-sharded) or parallelism.loss_parallel = false"),
     ]
+
+
+def fault_tolerance_problems(ft, p) -> list[str]:
+    """``[fault_tolerance]``'s checks as lines; ``p``: the ``[parallelism]`` section. Nothing when it is off."""
+    if not ft.enable:
+        return []
+    checks = [
+        (ft.group_size < 1, "fault_tolerance.group_size", ft.group_size, "must be >= 1 replica groups"),
+        (not -1 <= ft.replica_id < max(ft.group_size, 1), "fault_tolerance.replica_id", ft.replica_id,
+         f"must be -1 (every group on this node) or 0 .. group_size-1 = {ft.group_size - 1}"),
+        (not 1 <= ft.min_replica_size <= max(ft.group_size, 1), "fault_tolerance.min_replica_size",
+         ft.min_replica_size, f"must be in 1 .. group_size = {ft.group_size}"),
+        (ft.quorum_timeout_seconds <= 0, "fault_tolerance.quorum_timeout_seconds", ft.quorum_timeout_seconds,
+         "must be > 0 seconds"),
+        (p.dp_replicate != 1, "parallelism.dp_replicate", p.dp_replicate,
+         "must be 1 with fault_tolerance.enable: the replica groups are the replicas; set "
+         f"fault_tolerance.group_size = {p.dp_replicate} instead"),
+    ]
+    lines = [f"{key} = {toml_value(value)}: {fix}" for bad, key, value, fix in checks if bad]
+    missing = missing_extra("fault_tolerance.enable", "torchft", "ft")
+    return lines + ([missing] if missing else [])
 
 
 def range_problems(cfg) -> list[str]:
@@ -107,7 +129,7 @@ def range_problems(cfg) -> list[str]:
         checks.append((degree < 1, f"parallelism.{name}", degree, "must be >= 1 (1 disables it)"))
     checks += optimizer_problems(o) + loss_problems(cfg.loss, p)
     return ([f"{key} = {toml_value(value)}: {fix}" for bad, key, value, fix in checks if bad] + _mixture_problems(cfg)
-            + _param_group_problems(o))
+            + fault_tolerance_problems(cfg.fault_tolerance, p) + _param_group_problems(o))
 
 
 def optimizer_problems(o) -> list[tuple[bool, str, Any, str]]:

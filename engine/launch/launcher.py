@@ -40,6 +40,8 @@ import tempfile
 import time
 
 from engine.launch.failures import PEER_FAILURE  # what a rank says when a collective lost a peer
+from engine.launch.replica_groups import (ReplicaLaunchError, check_lighthouse, group_arguments,  # torch-free
+                                          launch_replica_groups, lighthouse_address)
 
 ABORT_EXIT = 130  # 128 + SIGINT, the shell's convention for a run interrupted by Ctrl-C
 
@@ -248,16 +250,47 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
         entry = ["-m", "engine.train", *argv]
         torchrun_argv = torchrun_args(nproc, nodes, entry, max_restarts)
+        groups_here = _replica_groups(cfg, nproc, nodes[1])  # torchft: ranks per group of this node, or 0
     except ConfigError as error:
         _say(f"config error: {error}")
         return 2
-    except _LaunchError as error:
+    except (_LaunchError, ReplicaLaunchError) as error:
         _say(f"launch error: {error}")
         return 2
-    status = _preflight(cfg, nproc, nodes, gpus)
+    status = _preflight(cfg, groups_here or nproc, nodes, gpus)
     if status:
         return status
+    if groups_here:
+        try:
+            return launch_replica_groups(cfg, argv, nproc, nodes[1])
+        except ReplicaLaunchError as error:
+            _say(f"launch error: {error}")
+            return 2
     return _launch(cfg, torchrun_argv, max_restarts, launch_time)
+
+
+def _replica_groups(cfg, nproc: int, nnodes: int) -> int:
+    """``[fault_tolerance]`` (engine/launch/replica_groups.py): ranks per group when this launch starts
+    every group of the node (``replica_id = -1``); 0 for a plain launch or one group (whose lighthouse
+    must answer).
+
+    Raises:
+        ReplicaLaunchError: several nodes with ``replica_id = -1``, NGPU not divisible by the groups, or
+            one group's launch without a lighthouse that answers.
+    """
+    ft = cfg.fault_tolerance
+    if not ft.enable:
+        return 0
+    if ft.replica_id == -1:
+        return group_arguments(ft, nproc, nnodes)
+    address = lighthouse_address(ft)
+    if os.environ.get("QUADRA_PREFLIGHT_DONE"):  # a group of replica_groups.py, whose lighthouse is starting
+        return 0
+    if not address:
+        raise ReplicaLaunchError(f"fault_tolerance.replica_id = {ft.replica_id} needs the job's lighthouse: set "
+                                 "fault_tolerance.lighthouse or TORCHFT_LIGHTHOUSE to http://HOST:PORT")
+    check_lighthouse(address)
+    return 0
 
 
 def _preflight(cfg, nproc: int, nodes: tuple[int, int], gpus: int) -> int:
@@ -274,7 +307,9 @@ def _preflight(cfg, nproc: int, nodes: tuple[int, int], gpus: int) -> int:
     except (ValueError, FileNotFoundError) as error:
         _say(f"set-up error: {error}")
         return 2
-    for warning in [*cfg.warnings(), *hardware_warnings(cfg, device_type)]:
+    # (A replica group's launch started by engine/launch/replica_groups.py: its parent said them.)
+    warnings = [] if os.environ.get("QUADRA_PREFLIGHT_DONE") else [*cfg.warnings(), *hardware_warnings(cfg, device_type)]
+    for warning in warnings:
         _say(f"warning: {warning}")
     if gpus:  # the planner's fit check; only where CUDA GPUs are (the CPU path imports no torch here)
         from engine.launch.dry_run import fit_warning

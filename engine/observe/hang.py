@@ -157,19 +157,25 @@ def missing_ranks(folder: str) -> tuple[list[int], str, list[int]] | None:
     return waiting, collective, missing
 
 
-def test_hook(step: int, rank: int) -> None:
+def test_hook(step: int, rank: int, wait_for_every_group=None) -> None:
     """The test suite's real faults, in attempt 0 only (a restarted attempt runs on), at the start of
-    a step, before its first collective. ``QUADRA_TEST_FAULT=KIND:RANK:STEP`` (RANK ``any``: every
-    rank of this node): ``hang`` sleeps, ``kill`` SIGKILLs the rank, ``kill_node`` SIGKILLs the rank's
-    launcher (the node is gone for good; its ranks follow it). No-op otherwise."""
-    spec = os.environ.get("QUADRA_TEST_FAULT")
-    if not spec or attempt_number() != 0:
+    a step, before its first collective. ``QUADRA_TEST_FAULT=KIND:RANK:STEP[:GROUP]`` (RANK ``any``:
+    every rank of this node; GROUP: only in that torchft replica group, ``QUADRA_REPLICA_ID``): ``hang``
+    sleeps, ``kill`` SIGKILLs the rank, ``kill_node`` SIGKILLs the rank's launcher (the node is gone for
+    good; its ranks follow it), ``rejoin`` calls ``wait_for_every_group`` (a torchft group's next
+    quorum waits for every group: a restarted one rejoins at this step, however long its restart
+    takes); several faults are comma-separated. No-op otherwise."""
+    specs = os.environ.get("QUADRA_TEST_FAULT")
+    if not specs or attempt_number() != 0:
         return
-    kind, fault_rank, fault_step = spec.split(":")
-    if int(fault_step) != step or fault_rank not in ("any", str(rank)):
-        return
-    if kind == "hang":
-        time.sleep(24 * 3600)
-    elif kind in ("kill", "kill_node"):
-        os.kill(os.getppid() if kind == "kill_node" else os.getpid(), signal.SIGKILL)
-        time.sleep(60)  # the signal ends this process (kill_node: through die_with_parent)
+    for spec in specs.split(","):  # several faults: comma-separated
+        kind, fault_rank, fault_step, *group = spec.split(":")
+        if (group and group[0] != os.environ.get("QUADRA_REPLICA_ID")) or fault_rank not in ("any", str(rank)):
+            continue
+        if int(fault_step) == step and kind == "rejoin" and wait_for_every_group is not None:
+            wait_for_every_group()
+        elif int(fault_step) == step and kind == "hang":
+            time.sleep(24 * 3600)
+        elif int(fault_step) == step and kind in ("kill", "kill_node"):
+            os.kill(os.getppid() if kind == "kill_node" else os.getpid(), signal.SIGKILL)
+            time.sleep(60)  # the signal ends this process (kill_node: through die_with_parent)

@@ -116,7 +116,8 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
     p, t = cfg.parallelism, cfg.training
     _check_wandb(cfg)
     parallel_dims = ParallelDims.from_config(p, world_size)
-    global_batch, accum = resolve_batch_sizes(t.local_batch_size, t.global_batch_size, parallel_dims.dp)
+    groups = cfg.fault_tolerance.group_size if cfg.fault_tolerance.enable else 1  # torchft: outer dp
+    global_batch, accum = resolve_batch_sizes(t.local_batch_size, t.global_batch_size, parallel_dims.dp * groups)
     model = resolve_model_setup(cfg)
     tokenizer, vocab = model.tokenizer, model.tokenizer.vocab_size
     spec, args, base_args, label = model.spec, model.args, model.base_args, model.label

@@ -10,12 +10,16 @@ another precision and compared. Written by rank 0 (every rank takes the same dec
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import math
 import os
 from typing import Any
 
 from engine.checkpoint import files as checkpoint_files
+
+logger = logging.getLogger("quadra")
 
 CAPSULE_FOLDER = "capsules"
 DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
@@ -91,3 +95,27 @@ def write_capsule(path: str, verdict, *, loader_state: dict, lr: float, fingerpr
         json.dump(_json_number(capsule), file, indent=1, sort_keys=True)
         file.write("\n")
     os.replace(path + ".tmp", path)
+
+
+def report_unhealthy(trainer, verdict, lr: float) -> str:
+    """A skipped or fatal step of ``trainer`` (engine/train/trainer.py): on rank 0 the capsule, the
+    metrics record and, for a skip, the console line (a failure to write them is a warning, so the
+    ranks stay in step). Returns the capsule's path (the caller raises for a fatal verdict)."""
+    path = capsule_path(trainer.run_folder, verdict.step)
+    if trainer.dist.rank != 0:
+        return path
+    try:
+        write_capsule(path, verdict, loader_state=trainer.dataloader.state_dict(), lr=lr,
+                      fingerprint=trainer.fingerprint, world_size=trainer.dist.world_size,
+                      parallel_dims=trainer.parallel_dims, thresholds=dataclasses.asdict(trainer.cfg.step_health),
+                      checkpoint_folder=trainer.checkpointer.folder if trainer.cfg.checkpoint.enable else None)
+        trainer.metrics.log_event("skipped_step", {"step": verdict.step, "reason": verdict.reason,
+                                                   "value": verdict.value, "zscore": verdict.zscore,
+                                                   "skipped_total": trainer.step_health.skipped})
+    except OSError as error:
+        logger.warning("step %d: capsule or metrics record not written (%s)", verdict.step, error)
+    if verdict.fatal is None:
+        z = "n/a" if verdict.zscore is None else f"{verdict.zscore:.2f}"
+        logger.warning("step %d skipped: %s %s (z-score %s); capsule %s", verdict.step, verdict.reason,
+                       verdict.value, z, path)
+    return path

@@ -56,6 +56,8 @@ class RunRecovery:
         if restart is not None:
             resumed = f"resumed from checkpoint step-{step}" if step else "started again from step 0 (no checkpoint)"
             again = self.ledger.retrained_range()
+            if getattr(self.trainer, "ft", None) is not None:  # torchft: it heals from a live group instead
+                resumed, again = "rejoins the replica groups and heals from a live one at its first step", None
             again = "" if not again else (f"; step {again[0]} is trained again" if again[0] == again[1]
                                           else f"; steps {again[0]}-{again[1]} are trained again")
             logger.warning("quadra: restart %d of %s after %s: %s%s", self.attempt, restart.get("max_restarts", "?"),
@@ -76,7 +78,8 @@ class RunRecovery:
             self.watchdog.beat(step)
         if self.ledger is not None:
             self.ledger.step_started()
-        test_hook(step, self.rank)  # QUADRA_TEST_FAULT only: the tests' hang, killed rank or node
+        ft = getattr(self.trainer, "ft", None)  # QUADRA_TEST_FAULT only: the tests' hang, killed rank or node
+        test_hook(step, self.rank, wait_for_every_group=ft.wait_for_every_group if ft is not None else None)
 
     def step_done(self, step: int, seconds: float) -> None:
         """Step ``step`` is done after ``seconds`` (wall seconds of the step itself)."""

@@ -12,7 +12,6 @@ per step lives in engine/train/runner.py; see engine/docs/architecture.md for th
 from __future__ import annotations
 
 import collections
-import dataclasses
 import gc
 import logging
 import os
@@ -41,7 +40,8 @@ from engine.observe.profiling import StepProfiler
 from engine.train.runner import PipelineRunner, SingleRunner, StepContext
 from engine.train.signals import StopRequest
 from engine.train.after_step import after_step_message
-from engine.train.capsule import capsule_path, write_capsule
+from engine.train.capsule import report_unhealthy
+from engine.train.fault_tolerance import ReplicaGroup, data_ranks
 from engine.train.step_health import StepHealth, advance_lr_schedule
 from engine.train.recovery import RunRecovery
 from parallelisms.comm_counter import group_names_by_mesh_dim
@@ -84,6 +84,9 @@ class Trainer:
         comm = cfg.comm
         self.dist = init_distributed(cfg.job.device, comm.backend, comm.init_timeout_seconds, comm.hang_timeout_seconds)
         self.device = self.dist.device
+        # torchft (engine/train/fault_tolerance.py), first: its heartbeat makes the lighthouse wait for us.
+        self.ft = ReplicaGroup(cfg.fault_tolerance, self, rank=self.dist.rank, world_size=self.dist.world_size,
+                               device=self.device) if cfg.fault_tolerance.enable else None
         # The launcher's pre-flight rules once more, for ranks started some other way.
         setup = check_setup(cfg, self.dist.world_size, self.device.type, check_data=False)
         self.parallel_dims, self.model_spec, self.model_args = setup.parallel_dims, setup.model_spec, setup.model_args
@@ -94,6 +97,7 @@ class Trainer:
             self.parallel_dims.build_mesh(self.device.type)
         self._group_dims = group_names_by_mesh_dim(self.parallel_dims)  # for time attribution
         self.dp_rank = self.parallel_dims.mesh("dp").get_local_rank() if self.dist.is_distributed else 0
+        self.data_dp, self.data_dp_rank = data_ranks(cfg.fault_tolerance, self.parallel_dims.dp, self.dp_rank)
         self.context_parallel = build_context_parallel(cfg, self.parallel_dims)
         pp_rank = self.parallel_dims.mesh("pp").get_local_rank() if self.parallel_dims.pp_enabled else 0
         self.pp_plan = setup.pipeline_plan(pp_rank)  # this rank's stages (None without pipeline parallel)
@@ -125,6 +129,8 @@ class Trainer:
         self.checkpointer.load()  # continue where an earlier run of this folder stopped, if it saved
         if cfg.metrics.enable_wandb:  # a resume continues the checkpoint's W&B run
             self.metrics.wandb_run_id = agreed_run_id(self.metrics.wandb_run_id, self.dist.is_distributed)
+        if self.ft is not None:
+            self.ft.resume_at(self.step)
         self.recovery = RunRecovery(cfg, self)  # says why this attempt runs and from where; the ledger
         self.metrics.run_info = {"fingerprint": self.fingerprint}
         if self.checkpointer.fingerprint_change:
@@ -134,16 +140,16 @@ class Trainer:
     def _build_dataloader(self):
         t = self.cfg.training
         return build_dataloader(self.cfg.data, self.tokenizer, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
-                                global_batch_size=t.global_batch_size, dp_rank=self.dp_rank,
-                                dp_degree=self.parallel_dims.dp, seed=t.seed)
+                                global_batch_size=t.global_batch_size, dp_rank=self.data_dp_rank,
+                                dp_degree=self.data_dp, seed=t.seed)
 
     def _build_validation_loader(self):
         """Batches of global_batch_size / dp sequences per rank: a validation step covers the same
         windows whatever local_batch_size and dp are (``validate`` cuts them to local batches)."""
         return build_validation_dataloader(self.cfg.validation, self.cfg.data, self.tokenizer,
                                            seq_len=self.cfg.training.seq_len,
-                                           local_batch_size=self.global_batch_size // self.parallel_dims.dp,
-                                           dp_rank=self.dp_rank, dp_degree=self.parallel_dims.dp)
+                                           local_batch_size=self.global_batch_size // self.data_dp,
+                                           dp_rank=self.data_dp_rank, dp_degree=self.data_dp)
 
     def _build_model(self) -> list[torch.nn.Module]:
         t = self.cfg.training
@@ -211,11 +217,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum a tensor over the loss-reduction mesh (dp × cp); identity when that mesh has one rank."""
+        """Sum a tensor over the loss-reduction mesh (dp × cp), then over torchft's replica groups."""
         mesh = self.parallel_dims.mesh("dp_cp") if self.dist.is_distributed else None
         if mesh is not None and mesh.size() > 1:  # (a one-rank group's all-reduce is a no-op collective)
             dist.all_reduce(value, op=dist.ReduceOp.SUM, group=mesh.get_group())
-        return value
+        return value if self.ft is None else self.ft.sum_(value)
 
     def _measures_time(self) -> bool:
         """Whether the coming step is attributed (engine/observe/attribution.py): a logged step, with
@@ -228,6 +234,8 @@ class Trainer:
         (on attributed steps also ``phases``, the input of ``engine.observe.attribution.step_attribution``)."""
         timer = StepTimer(measure=self._measures_time(), device=self.device, distributed=self.dist.is_distributed,
                           group_dims=self._group_dims)
+        if self.ft is not None:
+            self.ft.start_step()  # the step's quorum; a group behind its peers heals here
         with timer.phase("data"):
             batches = [self.dataloader.next_batch() for _ in range(self.grad_accum_steps)]
             self.recorder.begin(self.step + 1, batches)  # [record] step only (engine/observe/record.py)
@@ -239,6 +247,8 @@ class Trainer:
         self.recorder.end()
         with timer.phase("optimizer"):
             params = [p for part in self.model_parts for p in part.parameters()]
+            if self.ft is not None:
+                self.ft.sum_gradients(params)
             grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_group=self.runner.pp_group)
             lr = self.lr_scheduler.get_last_lr()[0]
             # The step's one read of loss and grad norm (every rank holds the reduced values), before the
@@ -247,20 +257,24 @@ class Trainer:
             loss, grad_norm = reduce(loss).item(), grad_norm.item()
             z_loss = self.z_loss.step_mean(reduce, global_tokens, self.device)
             verdict = self.step_health.judge(self.step + 1, loss, grad_norm)
-            if verdict.skip:  # parameters, optimizer state and model buffers stay as they are
+            committed = self.ft is None or self.ft.should_commit()  # torchft: else the step is discarded
+            if verdict.skip or not committed:  # parameters, optimizer state and model buffers stay as they are
                 model_metrics = self.runner.discard_step()
-                advance_lr_schedule(self.lr_scheduler)
+                if committed:  # a skipped step still advances the schedule; a discarded one is retried
+                    advance_lr_schedule(self.lr_scheduler)
             else:
                 self.optimizer.step()
                 model_metrics = self.runner.post_optimizer_step()
                 self.lr_scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
+        self.step += int(committed)
         if verdict.reason is not None:
             self._report_unhealthy(verdict, lr)
         record = {"loss": loss, "z_loss": z_loss, "grad_norm": grad_norm, "lr": lr, "tokens": local_tokens,
                   "skipped": verdict.reason, "global_tokens": int(global_tokens.item()), "data_seconds": timer.seconds["data"],
-                  "epoch": self.dataloader.epoch, "model_metrics": model_metrics}
+                  "epoch": self.dataloader.epoch, "model_metrics": model_metrics, "committed": committed}
+        if self.ft is not None:
+            record["replicas"] = self.ft.participants
         compute_seconds = timer.seconds["forward_backward"]
         if isinstance(self.runner, PipelineRunner):
             record["pp_bubble_fraction"] = self.runner.bubble_fraction(compute_seconds)
@@ -269,25 +283,9 @@ class Trainer:
         return record
 
     def _report_unhealthy(self, verdict, lr: float) -> None:
-        """A skipped or fatal step: console line, metrics record and capsule (rank 0; a failure to write
-        them is a warning, so the ranks stay in step); raises :class:`TrainingDivergedError` on every
-        rank, naming the capsule, when the verdict stops the run."""
-        path = capsule_path(self.run_folder, verdict.step)
-        if self.dist.rank == 0:
-            try:
-                write_capsule(path, verdict, loader_state=self.dataloader.state_dict(), lr=lr,
-                              fingerprint=self.fingerprint, world_size=self.dist.world_size,
-                              parallel_dims=self.parallel_dims, thresholds=dataclasses.asdict(self.cfg.step_health),
-                              checkpoint_folder=self.checkpointer.folder if self.cfg.checkpoint.enable else None)
-                self.metrics.log_event("skipped_step", {"step": verdict.step, "reason": verdict.reason,
-                                                        "value": verdict.value, "zscore": verdict.zscore,
-                                                        "skipped_total": self.step_health.skipped})
-            except OSError as error:
-                logger.warning("step %d: capsule or metrics record not written (%s)", verdict.step, error)
-            if verdict.fatal is None:
-                z = "n/a" if verdict.zscore is None else f"{verdict.zscore:.2f}"
-                logger.warning("step %d skipped: %s %s (z-score %s); capsule %s", verdict.step, verdict.reason,
-                               verdict.value, z, path)
+        """A skipped or fatal step: console line, metrics record and capsule (engine/train/capsule.py);
+        raises :class:`TrainingDivergedError` on every rank, naming the capsule, when the verdict stops the run."""
+        path = report_unhealthy(self, verdict, lr)
         if verdict.fatal is not None:
             raise TrainingDivergedError(f"{verdict.fatal}; capsule {path}")
 
@@ -336,6 +334,8 @@ class Trainer:
                 except torch.OutOfMemoryError:
                     self.profiler.dump_memory_snapshot(self.step + 1)
                     raise
+                if not record["committed"]:  # torchft discarded it: the next step retries the same step number
+                    continue
                 record["step_seconds"] = time.perf_counter() - start
                 self.recovery.step_done(self.step, record["step_seconds"])
                 self.profiler.step_end(self.step)
@@ -377,7 +377,7 @@ class Trainer:
         self.metrics.record_step(tokens=record["tokens"], step_seconds=record["step_seconds"],
                                  data_seconds=record["data_seconds"])
         if self.metrics.should_log(self.step):
-            keys = ("loss", "z_loss", "grad_norm", "lr", "epoch", "pp_bubble_fraction")
+            keys = ("loss", "z_loss", "grad_norm", "lr", "epoch", "pp_bubble_fraction", "replicas")
             logged = {key: record[key] for key in keys if record.get(key) is not None}
             phases = record.pop("phases", None)
             times = step_attribution(step_s=record["step_seconds"], **phases) if phases else {}
