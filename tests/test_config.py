@@ -51,6 +51,7 @@ metrics.log_freq metrics.enable_tensorboard metrics.save_tb_folder metrics.peak_
 metrics.log_all_ranks metrics.time_attribution
 activation_checkpoint.mode activation_checkpoint.selective_ac_option
 compile.enable compile.backend
+float8.enable float8.recipe float8.filter_fqns float8.fsdp_all_gather
 loss.z_loss_weight loss.chunk_tokens
 loss.mtp_weight
 profiling.enable profiling.start_step profiling.num_steps profiling.traces_folder profiling.memory_snapshot

@@ -205,6 +205,14 @@ UNEXERCISED = {
     "compile.enable": (NUMERICS, "inductor's C++ build of the blocks costs ~30 s on 2 cores; "
                                  "tests/test_ac_compile.py::test_compile_parity holds it to the fp32 tolerance"),
     "compile.backend": (NUMERICS, "acts with compile.enable only (see compile.enable)"),
+    # float8 rounds like a narrower dtype: beyond the fp32 tolerance, as bfloat16 (unchecked above).
+    "float8.enable": (NUMERICS, "float8 matmuls round beyond the fp32 tolerance (as bfloat16 does, which is not "
+                                "checked either); tests/test_float8.py holds every layout to one float8 process"),
+    "float8.recipe": (NUMERICS, "acts with float8.enable only (see float8.enable)"),
+    "float8.filter_fqns": (NUMERICS, "acts with float8.enable only (see float8.enable)"),
+    "float8.fsdp_all_gather": (EXECUTION, "acts with float8.enable only, whose runs are not within the fp32 "
+                                          "tolerance of the reference; tests/test_float8.py holds fsdp2 with and "
+                                          "without it to the same one-process float8 run"),
 }
 
 CHECKED = sorted(key for key in KEY_CLASS if key in SPECS and key not in UNEXERCISED)
