@@ -43,7 +43,7 @@ from tests.training_utils import base_args, run_in_turn, train_and_record
 pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)
 
 STEPS = 3
-FLOAT8 = {**SETTINGS, "float8.enable": "true", "training.steps": STEPS}
+FLOAT8 = {**SETTINGS, "float8.enable": "true", "training.steps": STEPS, "validation.enable": "false"}
 STEP1, LATER, CP_LATER = 1e-5, 1e-3, 2e-2  # relative, loss and grad norm (module docstring)
 FSDP2 = {"parallelism.dp_shard": 2, "training.local_batch_size": 4}
 AG = {"float8.fsdp_all_gather": "true"}
