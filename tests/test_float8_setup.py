@@ -98,3 +98,39 @@ def test_planner_float8_all_gather_bytes_and_peak():
     ratio = h100.peak_flops / h100.float8_peak_flops  # 989 / 1979 TFLOP/s
     assert on.compute_s == pytest.approx(off.compute_s * (1 - share + share * ratio), rel=1e-9)
     assert on.mfu == pytest.approx(off.mfu * off.step_time_s / on.step_time_s * ratio, rel=1e-9)
+
+
+def test_float8_tp_styles_replace_the_familys_on_float8_linears():
+    """parallelisms/float8.py ``float8_tp_plan`` (used where the backend all-gathers float8, i.e. on
+    CUDA): each Colwise/RowwiseParallel of a Float8Linear becomes torchao's float8 style with the same
+    layouts, each block input's PrepareModuleInput the float8 one; the output head (high precision)
+    and the embedding keep the family's styles."""
+    require_extra("torchao")
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput,
+    )
+
+    from engine.planner.layout import Layout
+    from engine.setup.model_builder import build_meta_model
+    from models.llama.parallelize import llama_tp_plan
+    from parallelisms.float8 import convert_to_float8, float8_tp_plan
+
+    cfg = _cfg("--float8.enable", "true")
+    layout = Layout.from_config(cfg, 1, "cpu")
+    model = build_meta_model(layout.model_spec, layout.model_args)
+    convert_to_float8(model, cfg.float8)
+    plan = llama_tp_plan(model, sequence_parallel=True, loss_parallel=True)
+    swapped = float8_tp_plan(plan)
+    outer, block = swapped[0][1], swapped[1][1]
+    assert type(outer["output"]) is ColwiseParallel and outer["output"].use_local_output is False
+    assert type(block["attention.wq"]) is Float8ColwiseParallel and type(block["feed_forward.w2"]) is Float8RowwiseParallel
+    assert type(block["attention"]) is PrepareFloat8ModuleInput and type(block["feed_forward"]) is PrepareFloat8ModuleInput
+    for name, style in plan[1][1].items():  # same layouts as the family's style
+        new = block[name]
+        assert all(getattr(new, k) == v for k, v in vars(style).items()), name
+    assert sum(isinstance(s, (Float8ColwiseParallel, Float8RowwiseParallel)) for _, p in swapped[1:]
+               for s in p.values()) == 7 * layout.model_args.n_layers
+    assert not any(isinstance(s, (Float8ColwiseParallel, Float8RowwiseParallel)) for s in outer.values())
+    assert isinstance(outer["output"], ColwiseParallel) and not isinstance(plan[1][1]["attention.wo"], Float8RowwiseParallel)
+    assert isinstance(plan[1][1]["attention.wo"], RowwiseParallel)  # the family's plan is not changed in place
