@@ -33,6 +33,7 @@ block linear is float8; the output head stays float32 (``float8.filter_fqns``).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -89,6 +90,7 @@ def _rank_work(folder: str, layouts: dict) -> dict:
 
     real_gather, gathers = Weight.fsdp_pre_all_gather, []
 
+    @functools.wraps(real_gather)  # FSDP reads the hook's signature
     def counted(self, *args, **kwargs):  # (float8 all-gathers, those with a precomputed scale)
         gathers.append(self._precomputed_scale is not None)
         return real_gather(self, *args, **kwargs)
