@@ -28,17 +28,21 @@ class Float8ConfigError(ValueError):
     """A ``[float8]`` setting that cannot work with this installation or run."""
 
 
-def validate_float8(float8_cfg, *, mixed_precision_param: str, dp_shard_degree: int) -> None:
+def validate_float8(float8_cfg, *, mixed_precision_param: str, dp_shard_degree: int, fused_loss: bool = False,
+                    tied_embeddings: bool = False) -> None:
     """Refuse what float8 cannot do here, in one line naming the setting, the reason and the fix.
 
     Args:
         float8_cfg: ``[float8]`` (enable, recipe, fsdp_all_gather).
         mixed_precision_param: ``training.mixed_precision_param``.
         dp_shard_degree: ranks FSDP shards the weights over (dp_shard × cp; 1: no FSDP).
+        fused_loss: ``loss.chunk_tokens > 0`` (the loss multiplies by the output head's weight itself);
+        tied_embeddings: ``model.tie_embeddings`` (the output head's weight is the embedding's).
 
     Raises:
         Float8ConfigError: torchao missing; ``fsdp_all_gather`` with the rowwise recipe, or with
-            float8 off; float8 in the float64 reference mode.
+            float8 off, or without FSDP; float8 in the float64 reference mode; an output head left
+            to float8 whose weight the fused loss or the embedding uses directly.
     """
     if not float8_cfg.enable:
         if float8_cfg.fsdp_all_gather:
@@ -57,6 +61,12 @@ def validate_float8(float8_cfg, *, mixed_precision_param: str, dp_shard_degree: 
         raise Float8ConfigError("float8.fsdp_all_gather = true but no FSDP shards the weights (dp_shard x cp = 1): "
                                 "nothing is all-gathered. Fix: --float8.fsdp_all_gather false, or shard with "
                                 "--parallelism.dp_shard")
+    head_kept = any(p and p in "output" for p in float8_cfg.filter_fqns)
+    if not head_kept and (fused_loss or tied_embeddings):
+        why = "the fused loss multiplies by" if fused_loss else "the tied embedding looks up rows of"
+        raise Float8ConfigError(
+            f"float8.filter_fqns = {list(float8_cfg.filter_fqns)} converts the output head, but {why} its weight "
+            "directly, which a float8 linear's weight cannot serve. Fix: add \"output\" to float8.filter_fqns")
     if mixed_precision_param == "float64":
         raise Float8ConfigError(
             'float8.enable = true with training.mixed_precision_param = "float64": torch._scaled_mm has no float64 '

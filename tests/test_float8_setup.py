@@ -27,6 +27,10 @@ def _cfg(*argv: str):
      ("float8.enable = false", "--float8.enable true")),
     (["--float8.enable", "true", "--training.mixed_precision_param", "float64",
       "--training.mixed_precision_reduce", "float64"], 1, ("float64", "torch._scaled_mm", "--float8.enable false")),
+    (["--float8.enable", "true", "--float8.filter_fqns", "router.gate"], 1,
+     ("converts the output head", "fused loss", 'add "output" to float8.filter_fqns')),
+    (["--float8.enable", "true", "--float8.filter_fqns", "router.gate", "--loss.chunk_tokens", "0",
+      "--model.tie_embeddings", "true"], 1, ("tied embedding", 'add "output"')),
 ])
 def test_what_cannot_compose_is_refused_in_one_line(argv, world_size, fragments):
     with pytest.raises(ValueError) as info:
