@@ -20,10 +20,15 @@ multiples of 16 (``torch._scaled_mm``'s requirement); a linear that fails either
 precision. Routed MoE experts are stacked ``[E, ...]`` weights, not ``nn.Linear``: left alone.
 
 Distributed scales: a scale must come from the whole tensor, not one rank's shard, or ranks quantize
-one tensor differently. torchao reduces ``amax`` over the mesh a DTensor lives on: FSDP's float8
-all-gather (``enable_fsdp_float8_all_gather``) takes the weight's amax over the dp_shard group (one
-all-reduce for all weights when :func:`precompute_float8_scales` runs after the optimizer step), and the
-float8 tensor-parallel styles cast DTensor activations with amax reduced over tp.
+one tensor differently. torchao reduces ``amax`` over the mesh a DTensor lives on. FSDP's float8
+all-gather (``enable_fsdp_float8_all_gather``) casts each rank's shard with a scale that
+:func:`precompute_float8_scales` computes over every mesh dim of the weight (dp_shard and tp) in one
+all-reduce; the runner (engine/train/runner.py) calls it before the first step (after a checkpoint
+load) and after every optimizer step. Without it torchao would reduce over the FSDP group only, which
+under FSDP × TP is one tp shard's amax, and a scale left from before the step would be stale. The
+float8 tensor-parallel styles cast DTensor activations with the amax reduced over tp; where the
+backend cannot all-gather float8 (gloo) the family's styles stay, and the float8 linears cast the
+all-gathered activation themselves: the same amax, the same float8 values.
 
 torchao is imported only inside these functions: importing it loads its C++ extensions, which a run
 with float8 off does not need.
@@ -35,10 +40,10 @@ import torch.nn as nn
 
 from parallelisms.float8_checks import float8_weight
 
-__all__ = ["convert_to_float8", "float8_module_filter", "float8_tp_plan", "precompute_float8_scales",
-           "PRECOMPUTE_ATTR"]
+__all__ = ["PRECOMPUTE_ATTR", "convert_to_float8", "float8_module_filter", "float8_tp_plan",
+           "precompute_float8_scales", "torchao_float8"]
 
-# Set on a model part whose float8 weights are all-gathered in float8 (runner.post_optimizer_step reads it).
+# Set on a model part whose float8 weights are all-gathered in float8 (engine/train/runner.py reads it).
 PRECOMPUTE_ATTR = "float8_precompute_scales"
 
 
@@ -52,10 +57,15 @@ def float8_module_filter(filter_fqns: list[str]):
     return keep
 
 
-def _torchao_float8():
+def torchao_float8():
     """``torchao.float8``, imported with the warnings of torchao's import silenced (its CUDA-only C++
     extensions fail to load on other machines; torch warns about an Enum it registers): the run
-    needs neither, and its log stays readable."""
+    needs neither, and its log stays readable.
+
+    Raises:
+        ImportError: torchao is not installed (``pip install -e ".[float8]"``; the pre-flight refuses
+            ``float8.enable`` without it, parallelisms/float8_checks.py).
+    """
     import importlib
     import logging
 
@@ -74,7 +84,7 @@ def _linear_config(float8_cfg):
     """torchao's ``Float8LinearConfig`` of ``[float8]``: the recipe, plus FSDP's float8 all-gather."""
     import dataclasses
 
-    config = _torchao_float8().Float8LinearConfig.from_recipe_name(float8_cfg.recipe)
+    config = torchao_float8().Float8LinearConfig.from_recipe_name(float8_cfg.recipe)
     if float8_cfg.fsdp_all_gather:  # tensorwise only (parallelisms/float8_checks.py refuses rowwise)
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     return config
@@ -94,7 +104,7 @@ def convert_to_float8(model: nn.Module, float8_cfg) -> list[str]:
     """
     keep = float8_module_filter(list(float8_cfg.filter_fqns))
     chosen = [name for name, module in model.named_modules() if keep(module, name)]
-    _torchao_float8().convert_to_float8_training(model, config=_linear_config(float8_cfg), module_filter_fn=keep)
+    torchao_float8().convert_to_float8_training(model, config=_linear_config(float8_cfg), module_filter_fn=keep)
     return chosen
 
 
@@ -148,6 +158,6 @@ def precompute_float8_scales(model_parts: list[nn.Module]) -> None:
     marked = [part for part in model_parts if getattr(part, PRECOMPUTE_ATTR, False)]
     if not marked:
         return
-    float8 = _torchao_float8()
+    float8 = torchao_float8()
     for part in marked:
         float8.precompute_float8_dynamic_scale_for_fsdp(part)

@@ -40,10 +40,10 @@ def row_float8(ctx: Ctx) -> dict:
     from engine.train.optimizer import build_optimizer
     from parallelisms.compile import apply_compile
     from parallelisms.data_parallel import apply_fsdp
-    from parallelisms.float8 import convert_to_float8
+    from parallelisms.float8 import convert_to_float8, torchao_float8
 
     try:
-        import torchao  # noqa: F401
+        torchao_float8()  # imported with its import-time warnings silenced
     except ImportError as err:
         raise Skip(f'torchao is not installed (pip install -e ".[float8]"): {err}')
     if ctx.device.type == "cuda" and torch.cuda.get_device_capability(ctx.device) < (8, 9):
