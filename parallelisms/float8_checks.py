@@ -28,20 +28,22 @@ class Float8ConfigError(ValueError):
     """A ``[float8]`` setting that cannot work with this installation or run."""
 
 
-def validate_float8(float8_cfg, *, mixed_precision_param: str, dp_shard_degree: int, fused_loss: bool = False,
-                    tied_embeddings: bool = False) -> None:
+def validate_float8(float8_cfg, *, mixed_precision_param: str, dp_shard_degree: int, tp_degree: int = 1,
+                    fused_loss: bool = False, tied_embeddings: bool = False) -> None:
     """Refuse what float8 cannot do here, in one line naming the setting, the reason and the fix.
 
     Args:
         float8_cfg: ``[float8]`` (enable, recipe, fsdp_all_gather).
         mixed_precision_param: ``training.mixed_precision_param``.
         dp_shard_degree: ranks FSDP shards the weights over (dp_shard × cp; 1: no FSDP).
+        tp_degree: ``parallelism.tp``.
         fused_loss: ``loss.chunk_tokens > 0`` (the loss multiplies by the output head's weight itself);
         tied_embeddings: ``model.tie_embeddings`` (the output head's weight is the embedding's).
 
     Raises:
         Float8ConfigError: torchao missing; ``fsdp_all_gather`` with the rowwise recipe, or with
-            float8 off, or without FSDP; float8 in the float64 reference mode; an output head left
+            float8 off, or without FSDP; rowwise with tensor parallel; float8 in the float64
+            reference mode; an output head left
             to float8 whose weight the fused loss or the embedding uses directly.
     """
     if not float8_cfg.enable:
@@ -61,6 +63,11 @@ def validate_float8(float8_cfg, *, mixed_precision_param: str, dp_shard_degree: 
         raise Float8ConfigError("float8.fsdp_all_gather = true but no FSDP shards the weights (dp_shard x cp = 1): "
                                 "nothing is all-gathered. Fix: --float8.fsdp_all_gather false, or shard with "
                                 "--parallelism.dp_shard")
+    if float8_cfg.recipe == "rowwise" and tp_degree > 1:
+        raise Float8ConfigError(
+            f'float8.recipe = "rowwise" with parallelism.tp = {tp_degree}: torchao\'s float8 tensor-parallel styles '
+            "are tensorwise only, and a row's scale over a tp-sharded dim would come from the rank's shard (a tp2 "
+            "run left one process's numbers at step 1). Fix: --float8.recipe tensorwise, or parallelism.tp = 1")
     head_kept = any(p and p in "output" for p in float8_cfg.filter_fqns)
     if not head_kept and (fused_loss or tied_embeddings):
         why = "the fused loss multiplies by" if fused_loss else "the tied embedding looks up rows of"

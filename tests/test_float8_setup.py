@@ -27,6 +27,8 @@ def _cfg(*argv: str):
      ("float8.enable = false", "--float8.enable true")),
     (["--float8.enable", "true", "--training.mixed_precision_param", "float64",
       "--training.mixed_precision_reduce", "float64"], 1, ("float64", "torch._scaled_mm", "--float8.enable false")),
+    (["--float8.enable", "true", "--float8.recipe", "rowwise", "--parallelism.tp", "2", "--parallelism.dp_shard", "1"],
+     2, ('float8.recipe = "rowwise" with parallelism.tp = 2', "--float8.recipe tensorwise")),
     (["--float8.enable", "true", "--float8.filter_fqns", "router.gate"], 1,
      ("converts the output head", "fused loss", 'add "output" to float8.filter_fqns')),
     (["--float8.enable", "true", "--float8.filter_fqns", "router.gate", "--loss.chunk_tokens", "0",
@@ -128,13 +130,14 @@ def test_float8_tp_styles_replace_the_familys_on_float8_linears():
     swapped = float8_tp_plan(plan)
     outer, block = swapped[0][1], swapped[1][1]
     assert type(outer["output"]) is ColwiseParallel and outer["output"].use_local_output is False
-    assert type(block["attention.wq"]) is Float8ColwiseParallel and type(block["feed_forward.w2"]) is Float8RowwiseParallel
-    assert type(block["attention"]) is PrepareFloat8ModuleInput and type(block["feed_forward"]) is PrepareFloat8ModuleInput
+    assert type(block["attention.wq"]) is Float8ColwiseParallel
+    assert type(block["feed_forward.w2"]) is Float8RowwiseParallel
+    assert type(block["attention"]) is PrepareFloat8ModuleInput is type(block["feed_forward"])
     for name, style in plan[1][1].items():  # same layouts as the family's style
         new = block[name]
         assert all(getattr(new, k) == v for k, v in vars(style).items()), name
     assert sum(isinstance(s, (Float8ColwiseParallel, Float8RowwiseParallel)) for _, p in swapped[1:]
                for s in p.values()) == 7 * layout.model_args.n_layers
     assert not any(isinstance(s, (Float8ColwiseParallel, Float8RowwiseParallel)) for s in outer.values())
-    assert isinstance(outer["output"], ColwiseParallel) and not isinstance(plan[1][1]["attention.wo"], Float8RowwiseParallel)
-    assert isinstance(plan[1][1]["attention.wo"], RowwiseParallel)  # the family's plan is not changed in place
+    family_wo = plan[1][1]["attention.wo"]  # the family's plan is not changed in place
+    assert type(family_wo) is RowwiseParallel and not isinstance(family_wo, Float8RowwiseParallel)
