@@ -7,7 +7,8 @@ whole weight in every layout (FSDP: reduced over dp_shard, or over dp_shard × t
 precomputation; TP: the float8 linears see DTensors, whose amax torch reduces over tp), and the
 activations' amax over the tokens of one forward, so each layout is compared with the one-process
 run that splits the step into the same microbatches: 8 sequences for tp2 and cp2 (one forward of the
-whole batch), 4 for fsdp2, pp2 (microbatch 4) and fsdp2×tp2 (each dp rank's 4 sequences).
+whole batch), 4 for fsdp2, pp2 (microbatch 4) and fsdp2×tp2 (each dp rank's 4 sequences). fsdp2 also
+compiles its blocks, tp2 checkpoints them with the per-op policy.
 
 Tolerances (:func:`assert_float8_parity`): step 1 at 1e-6: the weights are the same and every scale
 is taken over the same elements, so only the float32 summation order differs (measured: fsdp2, pp2,
@@ -53,7 +54,8 @@ AG = {"float8.fsdp_all_gather": "true"}
 CKPT = {"checkpoint.enable": "true", "checkpoint.interval": 2}  # saves steps 2 and 3
 # name: (overrides on FLOAT8, the one-process run it equals)
 LAYOUTS_2 = {
-    "fsdp2": (FSDP2, "ref4"),
+    # compile (aot_eager: no code generation) of the float8 blocks, as tests/test_tensor_parallel.py does
+    "fsdp2": ({**FSDP2, "compile.enable": "true", "compile.backend": "aot_eager"}, "ref4"),
     "fsdp2_all_gather": ({**FSDP2, **AG, **CKPT}, "ref4"),
     "tp2": ({"parallelism.tp": 2, "parallelism.dp_shard": 1, "activation_checkpoint.mode": "selective"}, "ref8"),
     "pp2": ({"parallelism.pp": 2, "parallelism.dp_shard": 1, "parallelism.pp_microbatch_size": 4}, "ref4"),
