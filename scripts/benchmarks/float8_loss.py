@@ -1,6 +1,9 @@
 """How far float8 training's loss strays from float32's: the debug model, 100 steps, one CPU process.
 
-    OMP_NUM_THREADS=2 PYTHONPATH=. python scripts/benchmarks/float8_loss.py [--steps 100] [--out DIR]
+    PYTHONPATH=. python scripts/benchmarks/float8_loss.py [--steps 100] [--out DIR] [--only RUN] [--report]
+
+``--only`` trains one run (several processes can share the ``--out`` folder), ``--report`` prints the
+table from the runs' metrics.jsonl found there, without training.
 
 Trains train_configs/debug_model.toml (LLaMA debugmodel, every block linear float8: its dims are
 multiples of 16; the output head float32) three times from the same weights on the same batches:
@@ -13,6 +16,7 @@ steps' mean. The README's float8 section quotes its output.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -45,13 +49,33 @@ def train(steps: int, folder: str, overrides: dict) -> list[float]:
         trainer.close()
 
 
+def logged_losses(folder: str) -> list[float]:
+    """The training losses a run logged (``metrics.jsonl``, one record per step), or []."""
+    path = os.path.join(folder, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return [r["loss"] for r in records if r.get("kind") == "train"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--out", default="", help="run folders (default: a temporary folder)")
+    parser.add_argument("--only", choices=list(RUNS), help="train this run only")
+    parser.add_argument("--report", action="store_true", help="print the table of the runs in --out")
     args = parser.parse_args()
     root = args.out or tempfile.mkdtemp(prefix="float8_loss_")
-    losses = {name: train(args.steps, os.path.join(root, name.replace(" ", "_")), o) for name, o in RUNS.items()}
+    if not args.report:
+        for name, overrides in RUNS.items():
+            if args.only in (None, name):
+                train(args.steps, os.path.join(root, name.replace(" ", "_")), overrides)
+    losses = {name: logged_losses(os.path.join(root, name.replace(" ", "_"))) for name in RUNS}
+    losses = {name: values for name, values in losses.items() if len(values) == args.steps}
+    if "float32" not in losses or len(losses) < 2:
+        print(f"complete runs in {root}: {sorted(losses)} (the table needs float32 and a float8 run)")
+        return
     ref = losses["float32"]
     shown = sorted({1, 10, 25, 50, 75, args.steps} & set(range(1, args.steps + 1)))
     print("| run | " + " | ".join(f"step {s}" for s in shown) + " | max rel. diff | last-10 mean rel. diff |")
