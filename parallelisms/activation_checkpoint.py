@@ -56,7 +56,8 @@ _ATTENTION_OPS = {
     _op("_c10d_functional", "reduce_scatter_tensor"),
 } - {None}
 # The matmuls "op" counts; every second one of a block forward is recomputed.
-COUNTED_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+# torch._scaled_mm: a float8 linear's matmul (torchao's Float8Linear, parallelisms/float8.py).
+COUNTED_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, _op("aten", "_scaled_mm")} - {None}
 # "op_all_matmuls" keeps these too (bmm: batched matmuls, e.g. plain-matmul attention).
 _ALL_MATMULS = COUNTED_MATMULS | {torch.ops.aten.bmm.default}
 

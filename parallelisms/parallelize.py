@@ -86,6 +86,7 @@ def parallelize(
     context_parallel: ContextParallel | None = None,
     global_batch_size: int = 0,
     backend: str | None = None,
+    float8_tensorwise: bool = False,
 ) -> nn.Module:
     """Apply the configured parallelisms to ``model`` (a full model or one pipeline stage) in place,
     in the order of the module docstring.
@@ -104,6 +105,9 @@ def parallelize(
         global_batch_size: sequences per optimizer step (engine/data/batch_sizes.py); only a family
             with experts receives it (``ExpertPlan.bind``).
         backend: process-group backend ("gloo", "nccl") or None for one process.
+        float8_tensorwise: the model holds torchao ``Float8Linear`` layers of the tensorwise recipe:
+            the tensor-parallel plan gets torchao's float8 styles (parallelisms/float8.py), except
+            on gloo, which cannot all-gather float8 tensors.
 
     Returns:
         The same module, parallelized.
@@ -113,7 +117,10 @@ def parallelize(
     if experts is not None:
         _bind_experts(model, parallel_dims, experts, global_batch_size)
     if parallel_dims.tp_enabled:
-        _tensor_parallel(model, parallel_dims, plan, parallelism_cfg, compile_cfg)
+        # gloo has no float8 collectives: there the float8 linears cast the all-gathered high-precision
+        # activation themselves (the same amax, so the same float8 values; only the wire dtype differs).
+        _tensor_parallel(model, parallel_dims, plan, parallelism_cfg, compile_cfg,
+                         float8_tensorwise and backend != "gloo")
     if experts is not None:
         _expert_parallel(model, parallel_dims, experts)
     if parallel_dims.cp_enabled:
@@ -148,10 +155,15 @@ def _bind_experts(model: nn.Module, parallel_dims: ParallelDims, experts: Expert
 
 
 def _tensor_parallel(model: nn.Module, parallel_dims: ParallelDims, plan: ParallelizePlan, parallelism_cfg,
-                     compile_cfg) -> None:
-    """The family's TP plan over the ``tp`` mesh, and async TP when asked for."""
+                     compile_cfg, float8_tensorwise: bool = False) -> None:
+    """The family's TP plan over the ``tp`` mesh (with torchao's float8 styles for tensorwise float8
+    linears), and async TP when asked for."""
     pairs = plan.tensor_parallel(model, sequence_parallel=parallelism_cfg.sequence_parallel,
                                  loss_parallel=parallelism_cfg.loss_parallel)
+    if float8_tensorwise:
+        from parallelisms.float8 import float8_tp_plan
+
+        pairs = float8_tp_plan(pairs)
     apply_tp_plan(model, parallel_dims.mesh("tp"), pairs)
     if parallelism_cfg.async_tp:  # accepted by the family's start-up check: CUDA + compile + SP
         enable_async_tp()

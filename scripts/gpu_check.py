@@ -15,6 +15,7 @@ Rows, in order (each has its own time budget; a failing or slow row never stops 
     bf16_fsdp_step     FSDP2 bf16 MixedPrecisionPolicy and bf16 autocast vs fp32
     compile_per_block  per-block torch.compile vs eager (fp32), no graph break
     mfu_llama3         LLaMA-3.2 3B (or 1B) shape, bf16 + compile + FSDP2: median step, tokens/s, MFU
+    float8_step        torchao float8 linears vs bf16, compiled, 50 interleaved steps: loss, step-time ratio
 
 Output: one table on stdout; the same as JSON in ``--json PATH``, else ``$OUT/gpu_check.json`` when
 ``$OUT`` is set (rewritten after every row, so a killed run leaves the rows it finished). Exit
@@ -57,6 +58,7 @@ ROWS = (
     ("bf16_fsdp_step", "gpu_check_train", "row_bf16", 90),
     ("compile_per_block", "gpu_check_train", "row_compile", 180),
     ("mfu_llama3", "gpu_check_train", "row_mfu", 330),
+    ("float8_step", "gpu_check_float8", "row_float8", 240),
 )
 ROW_NAMES = [row[0] for row in ROWS]
 DRY_SLOWDOWN = 4  # CPU row budgets are this many times the GPU ones

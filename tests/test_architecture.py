@@ -46,7 +46,8 @@ TORCH_FREE = (
     "engine.data.batch_sizes", "engine.data.tokenizer", "engine.data.prepared", "engine.data.sources",
     "engine.checkpoint.files", "engine.convert", "engine.convert.hf_adapter", "engine.observe",
     "models", "models.registry", "models.planning", "models.hf",
-    "parallelisms.checks", "parallelisms.parallel_dims", "parallelisms.pipeline_plan",
+    "parallelisms.checks", "parallelisms.parallel_dims", "parallelisms.pipeline_plan", "parallelisms.float8_checks",
+    "engine.planner.float8",
 )
 FAMILY_TORCH_FREE = ("args", "flavors", "checks", "planning", "hf")  # of each models/<family>/, when present
 

@@ -53,6 +53,7 @@ metrics.log_all_ranks metrics.time_attribution
 metrics.enable_wandb metrics.wandb_project metrics.wandb_entity metrics.wandb_run_name metrics.wandb_tags
 activation_checkpoint.mode activation_checkpoint.selective_ac_option
 compile.enable compile.backend
+float8.enable float8.recipe float8.filter_fqns float8.fsdp_all_gather
 loss.z_loss_weight loss.chunk_tokens
 loss.mtp_weight
 profiling.enable profiling.start_step profiling.num_steps profiling.traces_folder profiling.memory_snapshot

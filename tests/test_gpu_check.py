@@ -94,11 +94,12 @@ def test_dry_cpu_rows_pass_without_optional_packages(tmp_path):
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(path.read_text())
-    assert report["complete"] and [r["status"] for r in report["rows"]] == ["ok"] * 8, report["rows"]
+    assert report["complete"] and [r["status"] for r in report["rows"]] == ["ok"] * 9, report["rows"]
     numbers = {r["name"]: r["numbers"] for r in report["rows"]}
     assert numbers["cuda_nccl_init"]["backend"] == "gloo"
     assert numbers["flash_sdpa"]["forced"].startswith("flash_attention")
     assert numbers["mfu_llama3"]["steps_timed"] == 3 and numbers["mfu_llama3"]["mfu_pct"] is not None
+    assert numbers["float8_step"]["steps"] == 5 and numbers["float8_step"]["speedup"] > 0
 
 
 def test_rows_rerun_in_a_fresh_process(gpu_check, monkeypatch):

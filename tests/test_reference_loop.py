@@ -28,7 +28,9 @@ SETTINGS = {"data.shuffle": "false", "lr_scheduler.warmup_steps": 0, "lr_schedul
             "optimizer.lr": LR, "optimizer.implementation": "for-loop"}
 
 
-def _plain_loop(local_batch_size: int) -> list[tuple[float, float]]:
+def _plain_loop(local_batch_size: int, float8_recipe: str | None = None) -> list[tuple[float, float]]:
+    """The loop of the module docstring; with ``float8_recipe`` (tests/test_float8.py) torchao's
+    float8 linears replace every nn.Linear but the output head (the model's are all multiples of 16)."""
     import sentencepiece as spm
     import torch
     import torch.nn.functional as F
@@ -48,6 +50,11 @@ def _plain_loop(local_batch_size: int) -> list[tuple[float, float]]:
     args.max_seq_len = SEQ_LEN
     with torch.device("meta"):
         model = Transformer(args)
+    if float8_recipe is not None:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(float8_recipe),
+                                   module_filter_fn=lambda module, fqn: fqn != "output")
     model.to_empty(device="cpu")
     model.init_weights(seed=0, buffer_device=torch.device("cpu"))
     params = list(model.parameters())

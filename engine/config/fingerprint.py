@@ -54,6 +54,8 @@ _CLASSES: dict[str, dict[str, tuple[str, ...]]] = {
         "optimizer": ("implementation", "muon_ns_dtype"),
         "compile": ("enable", "backend"),
         "loss": ("chunk_tokens",),
+        # float8 matmuls round inputs, weights and gradients; the master weights stay high precision.
+        "float8": ("enable", "recipe", "filter_fqns"),
     },
     EXECUTION: {
         "job": ("config_file", "dump_folder", "description", "print_config", "dry_run", "dry_run_gpu"),
@@ -74,6 +76,8 @@ _CLASSES: dict[str, dict[str, tuple[str, ...]]] = {
                     "time_attribution", "enable_wandb", "wandb_project", "wandb_entity", "wandb_run_name",
                     "wandb_tags"),
         "activation_checkpoint": ("mode", "selective_ac_option"),
+        # the same float8 values all-gathered as float8 instead of cast after a high-precision all-gather
+        "float8": ("fsdp_all_gather",),
         "profiling": ("enable", "start_step", "num_steps", "traces_folder", "memory_snapshot"),
         "record": ("step", "folder"),  # observes one step, changes none
         # The groups are the outer data-parallel dimension: a layout (tests/test_fault_tolerance.py).

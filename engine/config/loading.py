@@ -32,8 +32,8 @@ from engine.config.toml_format import cli_value, toml_value
 from engine.config.validation import config_warnings, range_problems
 from engine.config.schema import (  # the section dataclasses, re-exported for type hints
     ActivationCheckpointSection, CheckpointSection, CommSection, CompileSection, DataSection, DocumentMaskSection,
-    EvalSection, FaultToleranceSection, JobSection, LossSection, LRSchedulerSection, MetricsSection, ModelSection,
-    OptimizerSection,
+    EvalSection, FaultToleranceSection, Float8Section, JobSection, LossSection, LRSchedulerSection, MetricsSection,
+    ModelSection, OptimizerSection,
     ParallelismSection, ProfilingSection, RecordSection, StepHealthSection, TrainingSection, ValidationSection,
 )
 
@@ -69,6 +69,7 @@ class JobConfig:
     metrics: MetricsSection = field(default_factory=MetricsSection)
     activation_checkpoint: ActivationCheckpointSection = field(default_factory=ActivationCheckpointSection)
     compile: CompileSection = field(default_factory=CompileSection)
+    float8: Float8Section = field(default_factory=Float8Section)
     loss: LossSection = field(default_factory=LossSection)
     profiling: ProfilingSection = field(default_factory=ProfilingSection)
     document_mask: DocumentMaskSection = field(default_factory=DocumentMaskSection)

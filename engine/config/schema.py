@@ -333,7 +333,6 @@ class RecordSection:
     folder: str = _opt("record", "where the records go (rank-<r>.pt), relative to the run folder")
 
 
-
 @dataclass
 class FaultToleranceSection:
     """``[fault_tolerance]``: torchft replica groups (engine/train/fault_tolerance.py): the outer data-parallel
@@ -350,3 +349,18 @@ class FaultToleranceSection:
                                "with replica_id = -1, a lighthouse started by the launcher")
     quorum_timeout_seconds: int = _opt(60, "how long a step waits for the quorum and its collectives across groups, "
                                            "seconds")
+
+
+@dataclass
+class Float8Section:
+    """``[float8]``: float8 linears through torchao (parallelisms/float8.py; ``pip install -e ".[float8]"``)."""
+
+    enable: bool = _opt(False, "swap the chosen nn.Linear layers for torchao Float8Linear (float8 matmuls, "
+                               "high-precision master weights and checkpoints)")
+    recipe: str = _opt("tensorwise", "torchao recipe: tensorwise (one dynamic scale per tensor) or rowwise "
+                       "(one per row, power-of-2 scales)", choices=("tensorwise", "rowwise"))
+    filter_fqns: list[str] = _opt(["output", "router.gate"], "linears whose name contains any of these stay in high "
+                                  "precision (as does any linear with a dim not divisible by 16); MoE experts are "
+                                  "never converted")
+    fsdp_all_gather: bool = _opt(False, "tensorwise with FSDP: cast the weight shards to float8 before the all-gather "
+                                        "(half of bf16's bytes), scales precomputed after each optimizer step")

@@ -2,7 +2,9 @@
 
 MFU (engine/observe/flops.py, PaLM App. B) reads the peaks by the device's name; the layout planner
 (engine/planner/, ``--dry_run``, scripts/plan.py) reads the rows whose memory and links are known.
-Peak FLOP/s are the vendors' dense (no 2:4 sparsity) bf16 tensor-core figures from their datasheets.
+Peak FLOP/s are the vendors' dense (no 2:4 sparsity) bf16 tensor-core figures from their datasheets,
+and in a second column their dense float8 figures (``fp8``; none for GPUs without float8 matmuls:
+Ampere, MI250).
 Bandwidths are per GPU and per direction, in bytes/s: NVLink from the NVIDIA datasheets (A100 SXM
 600 GB/s bidirectional = 300 GB/s each way; H100/H200 900 GB/s = 450; B200 1.8 TB/s = 900),
 inter-node from one 200 Gb/s (A100) or 400 Gb/s (H100/H200/B200) InfiniBand NIC per GPU, the
@@ -37,6 +39,8 @@ class GPU:
         patterns: tokens matched case-insensitively as whole words in ``torch.cuda.get_device_name()``
             ("A40" does not match "RTX A4000", nor "B200" match "GB200"); default: ``(name,)``.
         memory_token: when set, the row only matches names that contain it (e.g. "40GB").
+        float8_peak_flops: dense float8 (e4m3) tensor-core FLOP/s, or None where the GPU has no
+            float8 matmul (the planner's FLOPs of ``[float8]`` linears run at it).
     """
 
     name: str
@@ -46,6 +50,7 @@ class GPU:
     internode_bytes_per_s: float | None = None
     patterns: tuple[str, ...] = ()
     memory_token: str = ""
+    float8_peak_flops: float | None = None
 
     @property
     def usable_bytes(self) -> int:
@@ -71,9 +76,11 @@ def usable(memory_bytes: int) -> int:
 
 
 def _row(name: str, tflops: float, gib: int | None = None, nvlink_gbps: float | None = None,
-         internode_gbps: float | None = None, patterns: tuple[str, ...] = (), memory_token: str = "") -> GPU:
+         internode_gbps: float | None = None, patterns: tuple[str, ...] = (), memory_token: str = "",
+         fp8: float | None = None) -> GPU:
     return GPU(name, tflops * 1e12, gib * GIB if gib else None, nvlink_gbps * 1e9 if nvlink_gbps else None,
-               internode_gbps * 1e9 if internode_gbps else None, patterns, memory_token)
+               internode_gbps * 1e9 if internode_gbps else None, patterns, memory_token,
+               fp8 * 1e12 if fp8 else None)
 
 
 # In match order: the first row whose patterns occur in the device name wins, so a multi-word pattern
@@ -81,19 +88,19 @@ def _row(name: str, tflops: float, gib: int | None = None, nvlink_gbps: float | 
 # MFU prints n/a there unless metrics.peak_tflops is set. AWS's A10G is listed at the A10's figure.
 GPU_TABLE: tuple[GPU, ...] = (
     # NVIDIA Blackwell
-    _row("GB200", 2500.0),
-    _row("B200-180GB", 2250.0, 180, 900, 50, patterns=("B200",)),
-    _row("B100", 1750.0),
+    _row("GB200", 2500.0, fp8=5000.0),
+    _row("B200-180GB", 2250.0, 180, 900, 50, patterns=("B200",), fp8=4500.0),
+    _row("B100", 1750.0, fp8=3500.0),
     # NVIDIA Hopper (H100 SXM reports e.g. "NVIDIA H100 80GB HBM3")
-    _row("GH200", 989.0),
-    _row("H200 NVL", 835.0),
-    _row("H200-141GB", 989.0, 141, 450, 50, patterns=("H200",)),
-    _row("H100 NVL", 835.0),
-    _row("H100 PCIe", 756.0),
-    _row("H100-80GB", 989.0, 80, 450, 50, patterns=("H100",)),
-    _row("H800 PCIe", 756.0),
-    _row("H800", 989.0),
-    _row("H20", 148.0),
+    _row("GH200", 989.0, fp8=1979.0),
+    _row("H200 NVL", 835.0, fp8=1671.0),
+    _row("H200-141GB", 989.0, 141, 450, 50, patterns=("H200",), fp8=1979.0),
+    _row("H100 NVL", 835.0, fp8=1671.0),
+    _row("H100 PCIe", 756.0, fp8=1513.0),
+    _row("H100-80GB", 989.0, 80, 450, 50, patterns=("H100",), fp8=1979.0),
+    _row("H800 PCIe", 756.0, fp8=1513.0),
+    _row("H800", 989.0, fp8=1979.0),
+    _row("H20", 148.0, fp8=296.0),
     # NVIDIA Ampere / Ada
     _row("A100-40GB", 312.0, 40, 300, 25, patterns=("A100",), memory_token="40GB"),
     _row("A100-80GB", 312.0, 80, 300, 25, patterns=("A100",)),
@@ -102,13 +109,13 @@ GPU_TABLE: tuple[GPU, ...] = (
     _row("A40", 149.7),
     _row("A10G", 125.0),
     _row("A10", 125.0),
-    _row("L40S", 362.0),
-    _row("L40", 181.0),
-    _row("L4", 121.0),
+    _row("L40S", 362.0, fp8=733.0),
+    _row("L40", 181.0, fp8=362.0),
+    _row("L4", 121.0, fp8=242.0),
     # AMD Instinct (reported as e.g. "AMD Instinct MI300X")
-    _row("MI325X", 1307.4),
-    _row("MI300X", 1307.4),
-    _row("MI300A", 980.6),
+    _row("MI325X", 1307.4, fp8=2614.9),
+    _row("MI300X", 1307.4, fp8=2614.9),
+    _row("MI300A", 980.6, fp8=1961.2),
     _row("MI250X", 383.0),
     _row("MI250", 362.1),
 )

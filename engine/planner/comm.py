@@ -11,7 +11,9 @@ microbatch, B the compute dtype's bytes):
   in forward, again in backward for units resharded after forward, and a reduce-scatter of every
   unit's gradient (reduce dtype); once per step instead with ``grad_sync_each_microbatch = false``,
   and once per schedule step under PP (weights stay gathered across microbatches). Buffers are the
-  TP-local shapes padded to a multiple of the shard count (FSDP2's padding).
+  TP-local shapes padded to a multiple of the shard count (FSDP2's padding). With
+  ``float8.fsdp_all_gather`` a float8 weight is all-gathered at 1 byte per element, plus one
+  all-reduce of its float32 amax per step (engine/planner/float8.py).
 - ``dp_replicate``: DDP all-reduces full gradients per microbatch (or once); HSDP all-reduces the
   reduce-scattered shards.
 - ``tp`` (Megatron-LM, arXiv 1909.08053; sequence parallel arXiv 2205.05198 §4.2.2): per block an
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 from engine.planner.optimizer_state import muon_comm
 
+from engine.planner.float8 import FLOAT8_BYTES, SCALE_BYTES, float8_all_gather, is_float8_param
 from engine.planner.params import rank_params
 from engine.planner.params import padded_numel
 
@@ -179,13 +182,18 @@ def _data_parallel(layout, coords: dict, tally: _Tally, pb: int, rb: int) -> Non
     # HSDP shards over the 2-D mesh's second dim: dp_shard itself when cp = 1 (parallel_dims.py "hsdp")
     shard_dim = "dp_shard" if layout.dp_replicate > 1 and layout.cp == 1 else "dp_shard_cp"
     units: dict[str, dict] = {}
+    f8_gather = float8_all_gather(layout)
     for p in params:
         dim = "dp_shard_mod_ep" if p.unit.endswith(".experts") else shard_dim
-        u = units.setdefault(p.unit, {"dim": dim, "padded": 0, "shard": 0})
+        u = units.setdefault(p.unit, {"dim": dim, "padded": 0, "shard": 0, "gathered": 0})
         n = p.fsdp_size
         padded = padded_numel(p.tp_local, p.fsdp_dim, n) if n > 1 else p.local_numel
         u["padded"] += padded
         u["shard"] += padded // n
+        f8 = f8_gather and n > 1 and is_float8_param(layout, p.spec)  # engine/planner/float8.py
+        u["gathered"] += padded * (FLOAT8_BYTES if f8 else pb)
+        if f8:  # the scales' one all-reduce after the optimizer step: one float32 amax per weight
+            tally.add(dim, "all_reduce", SCALE_BYTES)
     blocks = sorted(u for u in units if u.startswith("layers.") and not u.endswith(".experts"))
     blocks.sort(key=lambda u: int(u.split(".")[1]))
     setting = layout.reshard
@@ -204,7 +212,7 @@ def _data_parallel(layout, coords: dict, tally: _Tally, pb: int, rb: int) -> Non
             reductions = a_steps
         else:
             gathers, reductions = 1, 1
-        tally.add(u["dim"], "all_gather", gathers * u["padded"] * pb)
+        tally.add(u["dim"], "all_gather", gathers * u["gathered"])
         tally.add(u["dim"], "reduce_scatter", reductions * u["padded"] * rb)
         if layout.dp_replicate > 1:
             tally.add("dp_replicate", "all_reduce", reductions * u["shard"] * rb)

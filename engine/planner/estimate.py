@@ -9,6 +9,10 @@
     step_time = compute / (1 - bubble) + exposed + overlap
     MFU       = FLOPs per token × tokens per step / (step_time × ranks × peak_flops)   (PaLM App. B)
 
+With ``[float8] enable`` on a GPU with a float8 peak, the float8 linears' share of the FLOPs
+(engine/planner/float8.py) divides by the float8 peak in ``compute``, and MFU is taken against the
+float8 peak (the ceiling such a step could reach), so it reads lower than the same step's bf16 MFU.
+
 ``link`` is NVLink when the dim's group lies inside one node, else the inter-node network
 (engine/observe/hardware.py; Layout.group_within_node). ``efficiency`` (default 0.6) is the share of
 peak a dense bf16 matmul-bound step reaches before communication and bubbles — MFU 38-43 % at
@@ -20,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.planner.comm import comm_bytes
+from engine.planner.float8 import float8_flops_per_token
 from engine.planner.memory import MemoryEstimate, estimate_memory
 from engine.planner.schedule import layout_bubble
 
@@ -93,7 +98,10 @@ def estimate(layout, gpu, gpus_per_node: int, efficiency: float = DEFAULT_EFFICI
     bubble = layout_bubble(layout)
     tokens = layout.global_batch_size * layout.seq_len
     flops = training_flops_per_token(layout) * tokens
-    compute = flops / layout.world_size * recompute_factor(layout) / (gpu.peak_flops * efficiency)
+    f8_flops = float8_flops_per_token(layout) * tokens if gpu.float8_peak_flops else 0.0
+    # [float8]: the float8 linears' matmuls at the float8 peak, the rest at bf16's (engine/planner/float8.py)
+    compute = ((flops - f8_flops) / gpu.peak_flops + f8_flops / (gpu.float8_peak_flops or 1.0)) \
+        / layout.world_size * recompute_factor(layout) / efficiency
     exposed = overlapped = 0.0
     for dim, v in comm.items():
         link = gpu.nvlink_bytes_per_s if layout.group_within_node(dim, gpus_per_node) else gpu.internode_bytes_per_s
@@ -102,6 +110,7 @@ def estimate(layout, gpu, gpus_per_node: int, efficiency: float = DEFAULT_EFFICI
         else:
             exposed += v["wire"] / link
     step = compute / (1 - bubble) + exposed + max(0.0, overlapped - compute)
-    mfu = flops / (step * layout.world_size * gpu.peak_flops)
+    peak = gpu.float8_peak_flops if f8_flops else gpu.peak_flops  # float8 on: against the float8 peak
+    mfu = flops / (step * layout.world_size * peak)
     return LayoutEstimate(layout, memory, comm, bubble, step, compute, mfu,
                           memory.total <= gpu.usable_bytes, gpu.memory_bytes)

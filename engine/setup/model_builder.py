@@ -1,6 +1,7 @@
 """The one recipe that builds a rank's model: from ``[model]`` settings to parallelized parts.
 
-Steps: meta model (no memory) → this rank's pipeline stages → the shared parallelize driver
+Steps: meta model (no memory) → float8 linears when ``[float8] enable`` (parallelisms/float8.py) →
+this rank's pipeline stages → the shared parallelize driver
 (parallelisms/parallelize.py: TP, EP, CP, AC, compile, FSDP/HSDP/DDP) with the family's plan
 (models/<family>/parallelize.py) and the run's settings →
 ``to_empty`` on the real device → ``init_weights`` with a layout-independent seed, so every layout
@@ -53,7 +54,8 @@ def build_model_parts(cfg, spec: ModelSpec, args, *, parallel_dims=None, pp_plan
 
     Args:
         cfg: the ``JobConfig`` (its parallelism, activation_checkpoint, compile and training sections
-            reach the parallelize driver; ``training.seed`` seeds the weights).
+            reach the parallelize driver; ``training.seed`` seeds the weights; ``[float8]`` converts
+            the chosen linears).
         spec, args: the family's ``ModelSpec`` and the arguments as trained (``check_setup``).
         parallel_dims: the ``ParallelDims`` with its mesh built, or None: not parallelized (one
             process, e.g. the seed-checkpoint tool).
@@ -72,6 +74,11 @@ def build_model_parts(cfg, spec: ModelSpec, args, *, parallel_dims=None, pp_plan
 
     model = build_meta_model(spec, args)
     nparams, flops_per_token = args.get_nparams_and_flops(model, args.max_seq_len)
+    float8 = cfg.float8.enable
+    if float8:  # after the meta build, before pipeline split and parallelisms (parallelisms/float8.py)
+        from parallelisms.float8 import convert_to_float8
+
+        convert_to_float8(model, cfg.float8)
     if pp_plan is None:
         parts = [model]
     else:
@@ -85,7 +92,12 @@ def build_model_parts(cfg, spec: ModelSpec, args, *, parallel_dims=None, pp_plan
             parallelize(part, parallel_dims, plan, parallelism_cfg=cfg.parallelism, ac_cfg=cfg.activation_checkpoint,
                         compile_cfg=cfg.compile, param_dtype=t.mixed_precision_param,
                         reduce_dtype=t.mixed_precision_reduce, context_parallel=context_parallel,
-                        global_batch_size=global_batch_size, backend=backend)
+                        global_batch_size=global_batch_size, backend=backend,
+                        float8_tensorwise=float8 and cfg.float8.recipe == "tensorwise")
+        if float8 and cfg.float8.fsdp_all_gather:  # runner.post_optimizer_step precomputes its scales
+            from parallelisms.float8 import PRECOMPUTE_ATTR
+
+            setattr(part, PRECOMPUTE_ATTR, True)
         if device is not None:
             materialize(part, device, t.seed)
         if hasattr(part, "mtp_weight"):  # a model with multi-token prediction: [loss] mtp_weight

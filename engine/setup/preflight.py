@@ -104,7 +104,7 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
 
     Raises:
         ValueError (ParallelismError, TensorParallelError, ContextParallelError,
-        PipelineConfigError, ExpertParallelError) or FileNotFoundError: one line naming the setting,
+        PipelineConfigError, ExpertParallelError, Float8ConfigError) or FileNotFoundError: one line naming the setting,
         its value and the fix.
     """
     from engine.data.batch_sizes import resolve_batch_sizes
@@ -125,6 +125,11 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
         from engine.data.tokenizer import require_bos
 
         require_bos(tokenizer.bos_id)
+    if cfg.float8.enable or cfg.float8.fsdp_all_gather:
+        from parallelisms.float8_checks import validate_float8
+        validate_float8(cfg.float8, mixed_precision_param=t.mixed_precision_param,
+                        dp_shard_degree=parallel_dims.dp_shard * parallel_dims.cp, tp_degree=parallel_dims.tp,
+                        fused_loss=cfg.loss.chunk_tokens > 0, tied_embeddings=cfg.model.tie_embeddings)
     if spec.validate_parallelism_fn is not None:  # heads % tp, experts % ep, ...
         spec.validate_parallelism_fn(args, p, seq_len=t.seq_len, device_type=device_type,
                                      compile_enabled=cfg.compile.enable)

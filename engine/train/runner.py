@@ -30,6 +30,7 @@ import torch.nn as nn
 from engine.train.loss import IGNORE_INDEX, fused_stage_loss, model_loss, row_sum_loss, token_sum_loss
 from parallelisms.context_parallel import ContextParallel
 from parallelisms.data_parallel import sync_on_last_microbatch
+from parallelisms.float8 import precompute_float8_scales
 from parallelisms.pipeline import PipelinePlan, build_pipeline_schedule, evaluation_order
 from parallelisms.pipeline_timing import StageBusyTimer
 from parallelisms.tensor_parallel import loss_parallel_context, to_local
@@ -108,6 +109,7 @@ class _Runner:
     """What both runners share: the step loop over microbatches and the post-optimizer hooks."""
 
     pp_group = None  # the pipeline group (gradient norms and metrics are summed over it)
+    _float8_scales_ready = False  # float8 all-gather: scales of the weights as trained (or loaded)
 
     def __init__(self, model_parts: list[nn.Module], context: StepContext):
         self.model_parts = model_parts
@@ -126,6 +128,9 @@ class _Runner:
         Returns:
             This rank's share of the step loss (detached; 0 on pipeline ranks without the last stage).
         """
+        if not self._float8_scales_ready:  # the first step (after a checkpoint load): whole-weight scales
+            precompute_float8_scales(self.model_parts)  # (parallelisms/float8.py), as after every step
+            self._float8_scales_ready = True
         loss = torch.zeros((), device=self.context.device)
         with self.accumulation(len(microbatches)) as before_each:
             for (inputs, labels), _ in zip(microbatches, before_each):
@@ -145,10 +150,12 @@ class _Runner:
     def post_optimizer_step(self) -> dict[str, float]:
         """Let model parts update state the optimizer does not own (e.g. MoE load-balancing biases).
 
-        A part may define ``post_optimizer_step()`` returning its metrics of the step as
+        First, with float8 all-gather, the float8 weight scales of the next forward
+        (parallelisms/float8.py). A part may define ``post_optimizer_step()`` returning its metrics of the step as
         ``{name: (0-dim tensor, "sum" | "min" | "max")}``; they are merged over this rank's parts and
         the pipeline ranks with that operation, so every rank logs the whole model's value.
         """
+        precompute_float8_scales(self.model_parts)  # float8 all-gather: next forward's weight scales
         merged: dict[str, tuple[torch.Tensor, str]] = {}
         combine = {"sum": torch.add, "min": torch.minimum, "max": torch.maximum}
         for part in self.model_parts:

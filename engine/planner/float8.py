@@ -1,0 +1,42 @@
+"""The planner's view of ``[float8]`` (parallelisms/float8.py): which weights are float8, their
+all-gather bytes under FSDP's float8 all-gather, and the share of the step's FLOPs in float8 matmuls.
+
+Torch-free. The conversion rule is parallelisms/float8_checks.py ``float8_weight``, read here on the
+family's parameter list (``ModelSpec.param_shapes``): a 2-D weight of a linear (``<fqn>.weight``, not
+a norm, not a routed expert, not the token embedding) whose name no ``float8.filter_fqns`` entry
+matches and whose dims are multiples of 16.
+
+- FSDP all-gather with ``float8.fsdp_all_gather``: 1 byte per element of a float8 weight instead of
+  ``training.mixed_precision_param``'s bytes; its scale travels as all-gather metadata, and the scales
+  of all float8 weights are computed in one all-reduce of one float32 amax per weight after the
+  optimizer step (torchao ``precompute_float8_dynamic_scale_for_fsdp``).
+- FLOPs: each float8 weight's 6 FLOPs per token (forward and both backward matmuls, PaLM App. B) run
+  at the GPU's float8 peak (engine/observe/hardware.py); the rest at its bf16 peak.
+"""
+
+from __future__ import annotations
+
+from parallelisms.float8_checks import float8_weight
+
+FLOAT8_BYTES, SCALE_BYTES = 1, 4
+
+
+def is_float8_param(layout, spec) -> bool:
+    """Whether the parameter ``spec`` (a ``models.planning.ParamSpec``) is a float8 linear's weight."""
+    f8 = layout.cfg.float8
+    if not f8.enable or spec.expert or spec.norm or not spec.name.endswith(".weight"):
+        return False
+    fqn = spec.name[: -len(".weight")]
+    return "embed" not in fqn and float8_weight(fqn, tuple(spec.shape), list(f8.filter_fqns))
+
+
+def float8_all_gather(layout) -> bool:
+    """Whether FSDP all-gathers float8 weights (float8 on with ``fsdp_all_gather``, FSDP sharding)."""
+    return layout.cfg.float8.enable and layout.cfg.float8.fsdp_all_gather and layout.fsdp > 1
+
+
+def float8_flops_per_token(layout) -> float:
+    """Training FLOPs per token of the whole model's float8 matmuls: 6 × the float8 weights' elements."""
+    if not layout.cfg.float8.enable:
+        return 0.0
+    return 6.0 * sum(p.numel for p in layout.params if is_float8_param(layout, p))

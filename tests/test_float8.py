@@ -1,0 +1,211 @@
+"""Float8 training (``[float8]``, parallelisms/float8.py): one process against a plain torchao loop, every
+layout against one float8 process, checkpoints across float8 on/off, and a scale-from-the-shard defect.
+
+Why the layouts agree: a tensorwise float8 cast is ``round(x * 448 / amax)``, so two runs quantize a
+tensor alike exactly when they take its amax over the same elements. The weights' amax is over the
+whole weight in every layout (FSDP: reduced over dp_shard, or over dp_shard × tp by the scale
+precomputation; TP: the float8 linears see DTensors, whose amax torch reduces over tp), and the
+activations' amax over the tokens of one forward, so each layout is compared with the one-process
+run that splits the step into the same microbatches: 8 sequences for tp2 and cp2 (one forward of the
+whole batch), 4 for fsdp2, pp2 (microbatch 4) and fsdp2×tp2 (each dp rank's 4 sequences). fsdp2 also
+compiles its blocks, tp2 checkpoints them with the per-op policy.
+
+Tolerances (:func:`assert_float8_parity`): step 1 at 1e-6: the weights are the same and every scale
+is taken over the same elements, so only the float32 summation order differs (measured: fsdp2, pp2,
+tp2 and fsdp2×tp2 bitwise, the plain loop 1.1e-7), while a weight scale taken from a shard moves the
+loss by 7e-6 (one tp shard's amax under fsdp2×tp2) to 4e-5 (one FSDP shard's, the defect run). Later
+steps at 1e-3: float8 rounding is a step function, so the few-ulp differences of another float32
+summation order flip single elements to the neighbouring float8 value (2^-3 apart in e4m3), and the
+next steps grow them faster than in float32; measured: fsdp2, fsdp2 with float8 all-gather and pp2
+bitwise, tp2 1.6e-5, fsdp2×tp2 3.5e-4 (grad norm, step 3). Over 5 steps at this setting's learning
+rate the grad norm of fsdp2×tp2 moved 8 %, so the runs stop at 3.
+
+Context parallel: its linears see a rank's half of each sequence, so an activation's amax is that
+half's: step 1 agrees to 5e-6 (:data:`CP_STEP1`), and later steps differ as much as one process does
+when it splits its batch into microbatches of 4 instead of 8 (the same change of which tokens share a
+scale: 6e-3 at step 3), hence :data:`CP_LATER`.
+
+CPU, gloo: torch 2.13's ``torch._scaled_mm`` has a CPU kernel. gloo cannot all-gather float8
+tensors, so tp2 runs the family's tensor-parallel styles (the float8 linears cast the all-gathered
+activation; the same float8 values as torchao's float8 styles, which a CUDA run uses). The tiny
+LLaMA's linears (64, 128, 192 wide; 16 to 96 per rank under tp 2) are all multiples of 16, so every
+block linear is float8; the output head stays float32 (``float8.filter_fqns``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+
+from tests.dist_utils import run_distributed
+from tests.extras import require_extra
+from tests.test_reference_loop import SETTINGS, _plain_loop
+from tests.training_utils import base_args, run_in_turn, train_and_record
+
+pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)
+
+STEPS = 3
+FLOAT8 = {**SETTINGS, "float8.enable": "true", "training.steps": STEPS, "validation.enable": "false"}
+STEP1, LATER, CP_STEP1, CP_LATER = 1e-6, 1e-3, 1e-5, 2e-2  # relative, loss and grad norm (module docstring)
+FSDP2 = {"parallelism.dp_shard": 2, "training.local_batch_size": 4}
+AG = {"float8.fsdp_all_gather": "true"}
+CKPT = {"checkpoint.enable": "true", "checkpoint.interval": 2}  # saves steps 2 and 3
+# name: (overrides on FLOAT8, the one-process run it equals)
+LAYOUTS_2 = {
+    # compile (aot_eager: no code generation) of the float8 blocks, as tests/test_tensor_parallel.py does
+    "fsdp2": ({**FSDP2, "compile.enable": "true", "compile.backend": "aot_eager"}, "ref4"),
+    "fsdp2_all_gather": ({**FSDP2, **AG, **CKPT}, "ref4"),
+    "tp2": ({"parallelism.tp": 2, "parallelism.dp_shard": 1, "activation_checkpoint.mode": "selective"}, "ref8"),
+    "pp2": ({"parallelism.pp": 2, "parallelism.dp_shard": 1, "parallelism.pp_microbatch_size": 4}, "ref4"),
+    "cp2": ({"parallelism.cp": 2, "parallelism.dp_shard": 1}, "ref8"),
+}
+LAYOUTS_4 = {"fsdp2_tp2_all_gather": ({**FSDP2, **AG, "parallelism.tp": 2}, "ref4")}
+# A checkpoint trained with float8 on resumed with it off (and the other way round): the same weights,
+# matmuls rounded differently; the loss of the first resumed step moves by float8's rounding of one
+# forward (measured 2.5e-4 and 1.5e-4 relative), far less than a step's progress (6e-3 to 5e-2 here).
+CROSS_TOLERANCE = 1e-3
+
+
+def _singles(folder: str) -> dict:
+    """The one-process runs: float8 with microbatches of 8 and 4, the plain torchao loop, and the
+    checkpoints crossed between float8 on and off."""
+    def run(name, overrides):
+        return train_and_record(base_args(f"{folder}/{name.split(':')[0]}", overrides))
+
+    out = {
+        "ref8": run("on", {**FLOAT8, **CKPT}),
+        "ref4": run("ref4", {**FLOAT8, "training.local_batch_size": 4}),
+        "off8": run("off", {**SETTINGS, **CKPT, "training.steps": STEPS}),
+        # each resumes the other's checkpoint of step 2 and trains step 3
+        "off_from_on": run("on:off", {**SETTINGS, **CKPT, "training.steps": STEPS, "checkpoint.load_step": 2}),
+        "on_from_off": run("off:on", {**FLOAT8, **CKPT, "checkpoint.load_step": 2}),
+    }
+    out["plain"] = _plain_loop(8, float8_recipe="tensorwise")[:STEPS]
+    return out
+
+
+def _rank_work(folder: str, layouts: dict) -> dict:
+    """Inside every rank: each layout in turn, then (world 2) the resume and the defect runs."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as Weight
+
+    real_gather, gathers = Weight.fsdp_pre_all_gather, []
+
+    @functools.wraps(real_gather)  # FSDP reads the hook's signature
+    def counted(self, *args, **kwargs):  # (float8 all-gathers, those with a precomputed scale)
+        gathers.append(self._precomputed_scale is not None)
+        return real_gather(self, *args, **kwargs)
+
+    def run_one(name, overrides):
+        gathers.clear()
+        Weight.fsdp_pre_all_gather = counted
+        try:
+            if name == "local_amax_defect":
+                history = _with_local_amax(lambda: train_and_record(base_args(f"{folder}/{name}", overrides)))
+            else:
+                history = train_and_record(base_args(f"{folder}/{name.split(':')[0]}", overrides))
+        finally:
+            Weight.fsdp_pre_all_gather = real_gather
+        history.float8_gathers = (len(gathers), sum(gathers))
+        return history
+
+    todo = {name: {**FLOAT8, **overrides} for name, (overrides, _) in layouts.items()}
+    if "fsdp2_all_gather" in layouts:
+        todo["fsdp2_all_gather:resume"] = {**todo["fsdp2_all_gather"], "checkpoint.load_step": 2}
+        todo["local_amax_defect"] = {**FLOAT8, **FSDP2, **AG}
+    return run_in_turn(todo, run_one)
+
+
+def _with_local_amax(fn):
+    """Run ``fn`` with torchao's amax all-reduce switched off and no precomputed scales: each FSDP
+    rank then scales its float8 weight shard by its own shard's amax (the defect of a scale taken
+    from the local shard instead of the whole tensor)."""
+    import torchao.float8.float8_utils as utils
+
+    import engine.train.runner as runner
+
+    amax, precompute = utils.tensor_to_amax, runner.precompute_float8_scales
+    utils.tensor_to_amax = lambda x, reduce_amax=False, *a, **k: amax(x, False, *a, **k)
+    runner.precompute_float8_scales = lambda parts: None
+    try:
+        return fn()
+    finally:
+        utils.tensor_to_amax, runner.precompute_float8_scales = amax, precompute
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    require_extra("torchao")
+    folder = str(tmp_path_factory.mktemp("float8"))
+    (singles,) = run_distributed(_singles, 1, folder + "/one", torchrun_env=False, timeout=300)
+    world2 = run_distributed(_rank_work, 2, folder + "/two", LAYOUTS_2, timeout=400)
+    world4 = run_distributed(_rank_work, 4, folder + "/four", LAYOUTS_4, timeout=300)
+    return singles, {**world2[0], **world4[0]}, world2 + world4
+
+
+def _history(value):
+    assert not isinstance(value, str), value  # a traceback, or "not run"
+    return value
+
+
+def test_one_process_equals_a_plain_torchao_loop(results):
+    singles, _, _ = results
+    assert_float8_parity(_history(singles["ref8"]), singles["plain"])
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS_2, *LAYOUTS_4])
+def test_layout_equals_one_float8_process(layout, results):
+    singles, layouts, every_rank = results
+    reference = singles[{**LAYOUTS_2, **LAYOUTS_4}[layout][1]]
+    for rank_results in every_rank:  # every rank logs the same reduced loss and grad norm
+        if layout in rank_results:
+            got = _history(rank_results[layout])
+            if layout == "cp2":
+                assert_float8_parity(got, reference, CP_STEP1, CP_LATER)
+            else:
+                assert_float8_parity(got, reference)
+
+
+def test_fsdp_gathers_float8_weights_with_precomputed_scales(results):
+    """With float8.fsdp_all_gather every float8 weight is all-gathered as float8 (torchao's
+    WeightWithDynamicFloat8CastTensor hook), each with the scale precomputed over the whole weight
+    before the step; without it, none is."""
+    _, layouts, _ = results
+    for name in ("fsdp2_all_gather", "fsdp2_tp2_all_gather", "fsdp2_all_gather:resume"):
+        total, precomputed = _history(layouts[name]).float8_gathers
+        assert total > 0 and precomputed == total, (name, total, precomputed)
+    assert _history(layouts["fsdp2"]).float8_gathers == (0, 0)
+
+
+def test_scale_from_the_local_shard_fails_parity(results):
+    """The defect run (weight scales from each rank's FSDP shard) is not the one-process run."""
+    singles, layouts, _ = results
+    with pytest.raises(AssertionError):
+        assert_float8_parity(_history(layouts["local_amax_defect"]), singles["ref4"])
+
+
+def test_float8_all_gather_resumes_bitwise(results):
+    _, layouts, _ = results
+    full, resumed = _history(layouts["fsdp2_all_gather"]), _history(layouts["fsdp2_all_gather:resume"])
+    assert list(resumed) == list(full)[2:], (resumed, full)
+
+
+def test_checkpoints_cross_float8_on_and_off(results):
+    singles, _, _ = results
+    for resumed, source in (("off_from_on", "ref8"), ("on_from_off", "off8")):
+        got, want = _history(singles[resumed]), _history(singles[source])
+        assert len(got) == 1, (resumed, got)  # step 3: it resumed step 2
+        loss, ref = got[0][0], want[2][0]
+        assert abs(loss - ref) <= CROSS_TOLERANCE * ref, (resumed, loss, ref)
+    # the two precisions are told apart at all: float8 is not silently off in one of them
+    assert singles["ref8"][-1][0] != singles["off8"][-1][0]
+
+
+def assert_float8_parity(got, want, first: float = STEP1, later: float = LATER) -> None:
+    """Loss and grad norm of every step: relative ``first`` at step 1, ``later`` after it."""
+    assert len(got) == len(want) == STEPS, (list(got), list(want))
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, want), start=1):
+        tol = first if step == 1 else later
+        assert math.isclose(loss, ref_loss, rel_tol=tol), f"step {step}: loss {loss} vs {ref_loss}"
+        assert math.isclose(norm, ref_norm, rel_tol=tol), f"step {step}: grad_norm {norm} vs {ref_norm}"
