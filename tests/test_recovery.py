@@ -88,14 +88,20 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_never_killed(corpus, 
 
 
 def test_without_restarts_a_killed_rank_ends_the_job_as_before(corpus, tmp_path):
-    """MAX_RESTARTS unset (0): the same kill ends the job in one line, exit 1, with the newest
-    checkpoint complete for the same command to resume; the launcher writes the ledger."""
+    """MAX_RESTARTS unset (0): the same kill (the OOM killer, say) ends the job in one line naming the
+    rank and the signal, exit 1, no traceback, with the newest checkpoint complete for the same command
+    to resume; the launcher writes the ledger. (Was also tests/test_launch.py's killed-rank test, a
+    SIGKILL sent from outside: the same launcher path, one launch fewer.)"""
     folder = str(tmp_path / "run")
     proc = _launch(_args(folder, corpus), QUADRA_TEST_FAULT="kill:1:7")
     out = _finish(proc)
     assert proc.returncode == 1, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
     said = _said(out)
     assert len(said) == 1 and said[0].startswith("quadra: rank 1 ended with signal SIGKILL"), out[-3000:]
+    # The survivor's failed collective is collateral: no rank says anything about it but INFO lines.
+    assert not [line for line in out.splitlines() if line.startswith(("stopped:", "[rank")) and "INFO" not in line], \
+        out[-3000:]
     assert _newest_checkpoint(folder) == INTERVAL
     assert os.path.exists(os.path.join(folder, "checkpoint", f"step-{INTERVAL}", "quadra.json"))
     (attempt,) = _records(folder, "attempt")
