@@ -19,6 +19,78 @@ from tests.dist_utils import run_distributed
 from tests.training_utils import MAX_NORM, base_args, clipping_sides, train_and_record
 
 
+TEST_TIMEOUT_S = float(os.environ.get("QUADRA_TEST_TIMEOUT", "900"))
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc; empty where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _time_out(item, seconds: float) -> None:
+    """One test (with its fixtures) ran over ``seconds``: say which, dump every thread's stack, kill the
+    processes it started and end this pytest process (under xdist the worker is reported crashed on
+    that test and replaced, so the rest of the suite still runs)."""
+    import faulthandler
+    import signal
+    import sys
+
+    try:
+        capture = item.config.pluginmanager.getplugin("capturemanager")
+        if capture is not None:  # fd 2 back to the terminal, as pytest-timeout's thread method does
+            capture.suspend_global_capture(in_=True)
+        sys.stderr.write(f"\nquadra tests: {item.nodeid} ran over {seconds:.0f} s (QUADRA_TEST_TIMEOUT); the "
+                         "stacks of this process follow, its child processes are killed\n")
+        sys.stderr.flush()
+        faulthandler.dump_traceback(all_threads=True)  # to fd 2
+    finally:
+        try:
+            for pid in _descendants(os.getpid()):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        finally:
+            os._exit(1)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """No test hangs the suite: a test whose set-up, call and tear-down run over QUADRA_TEST_TIMEOUT
+    seconds (default 900; 0: no limit) ends the run of its process with its name and every thread's
+    stack (pytest-timeout's method, without the dependency). A watchdog thread of Python's own
+    ``threading.Timer`` does it; faulthandler's C-level one (``dump_traceback_later``, which needs no
+    GIL) ends the process a minute later if the GIL is never released."""
+    if TEST_TIMEOUT_S <= 0:
+        yield
+        return
+    import faulthandler
+    import threading
+
+    timer = threading.Timer(TEST_TIMEOUT_S, _time_out, (item, TEST_TIMEOUT_S))
+    timer.daemon = True
+    timer.start()
+    faulthandler.dump_traceback_later(TEST_TIMEOUT_S + 60, exit=True)
+    try:
+        yield
+    finally:
+        timer.cancel()
+        faulthandler.cancel_dump_traceback_later()
+
+
 @pytest.fixture(autouse=True)
 def _alone_when_timed(request):
     """Under scripts/test.sh's two pytest-xdist workers, a test marked ``timing`` (it asserts on

@@ -72,6 +72,20 @@ def load_prepare_script():
     return module
 
 
+def run_prepare_main(argv: list[str]) -> int:
+    """scripts/prepare_data.py's ``main(argv)`` in this process; the SIGINT/SIGTERM handlers it
+    installs are replaced by this process's own again afterwards (a later Ctrl-C or SIGTERM must reach
+    pytest, not a handler of a finished preparation)."""
+    import signal
+
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return load_prepare_script().main(argv)
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+
+
 def copy_set(sets, tmp_path, name="copy") -> str:
     """A copy of set 'a' (without the verification record of the original) to damage."""
     folder = str(tmp_path / name)

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 from types import SimpleNamespace
 
@@ -20,7 +21,7 @@ import torch
 from engine.data import build_validation_dataloader
 from engine.data.prepare import prepare
 from engine.data.prepared import is_prepared
-from tests.prepared_utils import (REPO, S, by_position, cfg, load_prepare_script, loader, quiet, sets,  # noqa: F401
+from tests.prepared_utils import (REPO, S, by_position, cfg, loader, quiet, run_prepare_main, sets,  # noqa: F401
                                   write_jsonl)
 
 pytestmark = pytest.mark.usefixtures("private_datasets_cache")
@@ -77,16 +78,39 @@ def ref_mixture_sources(counts: list[int], positions: int) -> list[int]:
 # ---------------------------------------------------------------- preparing
 
 
+def _run_script(argv: list[str], env: dict, timeout: float = 180) -> subprocess.CompletedProcess:
+    """Run a script with its worker processes in a session of their own. Past ``timeout`` every process
+    of the session (the script, datasets' pool workers and manager) dumps its Python stack (SIGABRT
+    under PYTHONFAULTHANDLER) and is killed, and the test fails with the stacks: a stuck pool worker
+    (one hung a fast-tier run) can neither hang the test nor outlive it holding the output pipes."""
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONFAULTHANDLER": "1", **env}, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            out, err = "", ""
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.communicate()
+        pytest.fail(f"{' '.join(argv[:1])} ran over {timeout:.0f} s; the stacks of its processes:\n{err[-8000:]}")
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
 def test_prepare_twice_is_byte_identical_and_a_complete_folder_is_left_alone(sets, tok, tmp_path, capsys):
     a = sets["a"]
     parts = tmp_path / "in"  # a folder of 3 files: 2 processes convert it to Arrow and tokenize it
     os.makedirs(parts)
     for i, (start, end) in enumerate([(0, 10), (10, 17), (17, len(a.docs))]):
         write_jsonl(parts / f"part{i}.jsonl", a.docs[start:end])
-    out = subprocess.run([os.path.join(REPO, "scripts", "prepare_data.py"), str(parts), str(tmp_path / "again"),
-                          "--tokenizer", tok.path, "--num_proc", "2", "--shard_tokens", "100"], cwd=REPO,
-                         capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "HF_DATASETS_CACHE": str(parts / ".cache")})  # (hidden: not an input)
+    out = _run_script([os.path.join(REPO, "scripts", "prepare_data.py"), str(parts), str(tmp_path / "again"),
+                       "--tokenizer", tok.path, "--num_proc", "2", "--shard_tokens", "100"],
+                      {"HF_DATASETS_CACHE": str(parts / ".cache")})  # (hidden: not an input)
     assert out.returncode == 0, out.stderr
     assert "tokens/s" in out.stdout
     shard = dict(num_proc=1, log=quiet, shard_tokens=100)
@@ -98,7 +122,7 @@ def test_prepare_twice_is_byte_identical_and_a_complete_folder_is_left_alone(set
     for name in files:  # 2 processes vs 1: the same bytes, manifest included
         assert (tmp_path / "once" / name).read_bytes() == (tmp_path / "again" / name).read_bytes(), name
     stamp = os.stat(tmp_path / "once" / "manifest.json").st_mtime_ns
-    assert load_prepare_script().main([str(parts), str(tmp_path / "once"), "--tokenizer", tok.path]) == 0
+    assert run_prepare_main([str(parts), str(tmp_path / "once"), "--tokenizer", tok.path]) == 0
     assert "already prepared" in capsys.readouterr().out
     assert os.stat(tmp_path / "once" / "manifest.json").st_mtime_ns == stamp
     tokens = np.concatenate([np.load(tmp_path / "once" / f) for f in files if f.startswith("tokens-")])

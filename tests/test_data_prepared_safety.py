@@ -14,7 +14,7 @@ import pytest
 import engine.data.checksums as checksums
 from engine.data.checksums import verify_checksums
 from engine.data.prepared import PreparedDataError, content_id, read_manifest
-from tests.prepared_utils import (REPO, copy_set, flip_last_byte, load_prepare_script, loader, setup_check,
+from tests.prepared_utils import (REPO, copy_set, flip_last_byte, loader, run_prepare_main, setup_check,
                                   sets)  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("private_datasets_cache")
@@ -80,7 +80,7 @@ def test_truncated_and_corrupted_shards_are_refused_by_name(sets, tok, tmp_path)
     assert verify_checksums(sets["a"].folder) == 2  # one shard and documents.npy, hashed
     with pytest.raises(PreparedDataError, match="tokens-00000.npy does not match"):
         verify_checksums(folder)
-    assert load_prepare_script().main(["--verify", folder]) == 2
+    assert run_prepare_main(["--verify", folder]) == 2
 
 
 @pytest.mark.slow

@@ -181,29 +181,6 @@ def test_two_nodes_on_one_machine_train_like_one_node(corpus, reference, tmp_pat
     assert _curve(folder) == reference
 
 
-def _rank_pid(launcher_pid: int, rank: int) -> int:
-    for pid in _ranks_of(launcher_pid):
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            if f"RANK={rank}".encode() in f.read().split(b"\0"):
-                return pid
-    raise AssertionError(f"no rank {rank} under the launcher")
-
-
-def test_a_killed_rank_is_named_in_one_line(corpus, tmp_path):
-    """SIGKILL of rank 1 (the OOM killer, say): the survivor's failed collective is collateral; the
-    user reads which rank died and how, with no traceback."""
-    folder = str(tmp_path / "run")
-    proc = _launch(_args(folder, corpus))
-    _stop_after_two_more_steps(proc, folder, [])
-    os.kill(_rank_pid(proc.pid, 1), signal.SIGKILL)
-    out = _finish(proc)
-    assert proc.returncode == 1, out[-3000:]
-    assert "Traceback" not in out, out[-3000:]
-    said = [line for line in out.splitlines() if line.startswith(("quadra:", "stopped:", "[rank"))
-            and "INFO" not in line]
-    assert len(said) == 1 and said[0].startswith("quadra: rank 1 ended with signal SIGKILL"), out[-2000:]
-
-
 def test_ranks_do_not_outlive_a_launcher_killed_hard(corpus, tmp_path):
     """SIGKILL to the launcher's process group (timeout -s KILL, an OOM kill of the launcher): torchrun
     starts the ranks in sessions of their own, so they must end with their parent."""

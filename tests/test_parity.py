@@ -77,6 +77,34 @@ def test_history_differences_name_the_first_step_over_tolerance():
     assert tolerance(1, "float64") == 1e-12
 
 
+def test_a_step_1_difference_of_5e_5_fails_both_comparators():
+    """The step-1 tolerance is 1e-5 (a layout agrees to a few ulps, ~1e-7, at step 1): a relative 5e-5
+    at step 1, in the loss, the grad norm or a validation loss, must fail the suite's comparator
+    (tests/training_utils.assert_parity, which every layout test uses) and the sweep's
+    (history_differences); the same 5e-5 at step 2 passes (1e-4 there). A tolerance widened to 1e-4
+    at step 1 fails this test."""
+    from tests.training_utils import PARITY_STEPS, History, assert_parity
+
+    steps = [(8.8 - 0.3 * i, 0.54 + 0.06 * i) for i in range(PARITY_STEPS)]
+    want = History(steps, validation=[(2, 8.1), (4, 7.6), (5, 7.4)])
+    assert_parity(History(steps, validation=want.validation), want)
+    for index, field in ((0, "loss"), (1, "grad_norm")):
+        for step, fails in ((1, True), (2, False)):
+            got = [list(pair) for pair in steps]
+            got[step - 1][index] *= 1 + 5e-5
+            got = History(map(tuple, got), validation=want.validation)
+            assert history_differences(got, want)["passed"] is not fails, (field, step)
+            if fails:
+                assert history_differences(got, want)["first_failing_step"] == 1
+                with pytest.raises(AssertionError, match=f"step 1: {field}"):
+                    assert_parity(got, want)
+            else:
+                assert_parity(got, want)
+    shifted = History(steps, validation=[(2, 8.1 * (1 + 5e-5)), (4, 7.6), (5, 7.4)])
+    with pytest.raises(AssertionError, match="validation after step 2"):
+        assert_parity(shifted, want)
+
+
 def test_parameter_differences_and_clipping():
     import torch
 
