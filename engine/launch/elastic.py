@@ -40,7 +40,8 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from engine.launch.failures import failure_cause, incurable, read_reasons
 from engine.observe.hang import HANG_EXIT, hang_folder, missing_ranks
 
-HANG_WAIT_S = 15.0  # how long the agent waits for every rank's hang record once one rank reported
+HANG_WAIT_S = 60.0  # how long the agent waits for every rank's hang record once one rank reported (it ends
+# as soon as all are there; a loaded machine has taken over 15 s to write them)
 
 
 def hang_line(run_folder: str, attempt: int, world_size: int, timeout_s: float) -> str:
