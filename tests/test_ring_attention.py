@@ -33,7 +33,14 @@ def test_validation(args, message):
             validate_context_parallel(*args)
 
 
-def _compare(method: str, load_balance: bool, dtype_name: str) -> tuple[float, float]:
+def _documents(batch: int, seq_len: int) -> torch.Tensor:
+    """int [B, S] document ids: sequence 0 one document, sequence 1 documents starting at 0, 5 and 11."""
+    ids = torch.zeros(batch, seq_len, dtype=torch.int32)
+    ids[1, 5:], ids[1, 11:] = 1, 2
+    return ids
+
+
+def _compare(method: str, load_balance: bool, dtype_name: str, with_documents: bool = False) -> tuple[float, float]:
     import torch.distributed as dist
 
     from parallelisms.ring_attention import allgather_attention, ring_attention
@@ -45,13 +52,19 @@ def _compare(method: str, load_balance: bool, dtype_name: str) -> tuple[float, f
     q, k, v, dout = (torch.randn(2, 3, 16, 8, generator=gen, dtype=dtype) for _ in range(4))
     for t in (q, k, v):
         t.requires_grad_(True)
-    full = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    documents = _documents(2, 16) if with_documents else None
+    if documents is None:
+        full = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:
+        causal = torch.ones(16, 16, dtype=torch.bool).tril()
+        mask = (causal & (documents[:, :, None] == documents[:, None, :])).unsqueeze(1)
+        full = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     full.backward(dout)
     positions = cp_positions(16, cp, load_balance)
     mine = positions[rank]
     local = [t.detach()[:, :, mine].clone().requires_grad_(True) for t in (q, k, v)]
     fn = ring_attention if method == "ring" else allgather_attention
-    out = fn(*local, positions, dist.group.WORLD)
+    out = fn(*local, positions, dist.group.WORLD, documents)
     out.backward(dout[:, :, mine])
     fwd_err = (out - full.detach()[:, :, mine]).abs().max().item()
     bwd_err = max((l.grad - t.grad[:, :, mine]).abs().max().item() for l, t in zip(local, (q, k, v)))
@@ -63,6 +76,14 @@ def _compare(method: str, load_balance: bool, dtype_name: str) -> tuple[float, f
 @pytest.mark.parametrize("method", ["ring", "allgather"])
 def test_matches_full_attention_fp64(cp, load_balance, method):
     for fwd_err, bwd_err in run_distributed(_compare, cp, method, load_balance, "float64"):
+        assert fwd_err < 1e-10 and bwd_err < 1e-10, (fwd_err, bwd_err)
+
+
+@pytest.mark.parametrize("cp, load_balance", [(2, True), (4, False)])
+def test_matches_block_causal_attention_fp64(cp, load_balance):
+    """Document masks: the per-block additive mask, and query rows with no visible key in a block
+    (sequence 1's documents 1 and 2 see none of the keys before position 5, resp. 11)."""
+    for fwd_err, bwd_err in run_distributed(_compare, cp, "ring", load_balance, "float64", True):
         assert fwd_err < 1e-10 and bwd_err < 1e-10, (fwd_err, bwd_err)
 
 
