@@ -5,8 +5,9 @@ FSDP's per-block hooks stay outside the compiled regions, and makes all blocks s
 artifact because they have identical structure (TorchTitan's approach). ``Module.compile`` compiles
 in place, so parameter names and state-dict keys are unchanged.
 
-Blocks with routed experts (the MoE families) are compiled by their static-shape parts: the norms,
-the attention, the router's scores and top-k, and the shared experts. Token routing (sorting tokens
+Blocks with routed experts (the MoE families) are compiled by their static-shape parts: the
+attention, the router's scores and top-k, and the shared experts (the RMSNorms are torch.nn modules,
+which Dynamo does not compile as a frame of their own; they stay eager). Token routing (sorting tokens
 by expert, the grouped expert matmuls over data-dependent token counts) and expert parallel's
 all-to-all (whose split sizes are data too) stay eager: compiling them needs dynamic shapes and
 unbacked symbols for every count, a recompilation or graph break per distinct routing, where the
@@ -22,16 +23,14 @@ import torch.nn as nn
 
 def static_parts(block: nn.Module) -> list[nn.Module]:
     """The submodules of an MoE block (one whose ``feed_forward`` has ``experts``) with static
-    shapes: norms, attention, router, shared experts; ``[block]`` for any other block. An activation
+    shapes: attention, router, shared experts; ``[block]`` for any other block. An activation
     checkpoint wrapper is looked through (its inner block's submodules are compiled)."""
     inner = getattr(block, "_checkpoint_wrapped_module", block)
     ffn = getattr(inner, "feed_forward", None)
     if ffn is None or not hasattr(ffn, "experts"):
         return [block]
-    names = ("attention_norm", "attention", "ffn_norm")
-    parts = [getattr(inner, name) for name in names if getattr(inner, name, None) is not None]
-    parts += [m for m in (getattr(ffn, "router", None), getattr(ffn, "shared_experts", None)) if m is not None]
-    return parts
+    parts = (getattr(inner, "attention", None), getattr(ffn, "router", None), getattr(ffn, "shared_experts", None))
+    return [m for m in parts if m is not None]
 
 
 def apply_compile(model: nn.Module, backend: str = "inductor") -> int:

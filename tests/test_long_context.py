@@ -92,3 +92,55 @@ def test_cp2_past_max_seq_len_equals_one_process(short_model, tmp_path):
     assert sum(count for _, count in ranks) == 1, [count for _, count in ranks]
     for history, _ in ranks:
         assert_parity(history, reference)
+
+
+def _extend(argv):
+    """Build the Trainer of a new phase, train it; -> (step, data position and Adam step count after
+    loading, the start-up lines about the phase, the losses)."""
+    from engine.config import load_config
+    from engine.train.trainer import Trainer
+
+    lines = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            if "new phase from" in record.getMessage():
+                lines.append(record.getMessage())
+
+    handler = Catch()
+    logging.getLogger("quadra").addHandler(handler)
+    try:
+        cfg = load_config(argv)
+        cfg.validate()
+        trainer = Trainer(cfg)
+        adam_steps = {float(s["step"]) for s in trainer.optimizer.state.values() if "step" in s}
+        loaded = (trainer.step, trainer.dataloader.state_dict()["position"], adam_steps, list(lines))
+        try:
+            history = trainer.train()
+        finally:
+            trainer.close()
+        return loaded, [h["loss"] for h in history]
+    finally:
+        logging.getLogger("quadra").removeHandler(handler)
+
+
+@pytest.mark.slow
+def test_context_extension_resumes_weights_and_optimizer_at_twice_the_length(tmp_path):
+    """The README's context-extension command: a run at seq_len 16 saves step 2; a new run at seq_len
+    32 starts from it with its optimizer state (Adam's step count 2), the step count and LR schedule
+    restarted, and the data continued after the 2 x 8 x 16 = 256 tokens read (window 8 of 32 tokens);
+    one line says so; it trains."""
+    short = base_args(str(tmp_path / "short"), {"training.seq_len": SHORT_MAX, "training.steps": 2,
+                                                "checkpoint.enable": "true", "checkpoint.interval": 2,
+                                                "validation.enable": "false"})
+    (first,) = run_distributed(train_and_record, 1, short, torchrun_env=False)
+    assert len(first) == 2
+    phase = base_args(str(tmp_path / "long"), {
+        "training.steps": 2, "validation.enable": "false",
+        "checkpoint.initial_load_path": str(tmp_path / "short" / "checkpoint" / "step-2"),
+        "checkpoint.initial_load_model_only": "false", "checkpoint.initial_load_lr": "restart"})
+    ((step, position, adam_steps, lines), losses) = run_distributed(_extend, 1, phase, torchrun_env=False)[0]
+    assert (step, position, adam_steps) == (0, 8, {2.0}), (step, position, adam_steps)
+    assert len(lines) == 1 and f"seq_len {SHORT_MAX} -> {SEQ_LEN}" in lines[0], lines
+    assert "restart at 0" in lines[0] and "data continues after 256 tokens (window 8)" in lines[0], lines
+    assert len(losses) == 2 and all(loss == loss for loss in losses), losses
