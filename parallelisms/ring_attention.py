@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from parallelisms.comm_counter import OPAQUE_GROUP, report_opaque
+
 aten = torch.ops.aten
 
 
@@ -53,8 +55,15 @@ def _ring_exchange(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> lis
     received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
     ops = [dist.P2POp(dist.isend, t, nxt, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, r, prv, group) for r in received]
-    for request in dist.batch_isend_irecv(ops):
-        request.wait()
+    # Counters and timers (dispatch modes) cannot see inside this operator: it reports (comm_counter.py).
+    report_opaque("send", group, tensors)
+    report_opaque("recv", group, received)
+    OPAQUE_GROUP[0] = group.group_name
+    try:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+    finally:
+        OPAQUE_GROUP[0] = None
     return received
 
 
