@@ -109,6 +109,7 @@ def _extend(argv):
 
     handler = Catch()
     logging.getLogger("quadra").addHandler(handler)
+    logging.getLogger("quadra").setLevel(logging.INFO)  # the line is an info line, as "resumed from"
     try:
         cfg = load_config(argv)
         cfg.validate()
@@ -136,7 +137,7 @@ def test_context_extension_resumes_weights_and_optimizer_at_twice_the_length(tmp
     (first,) = run_distributed(train_and_record, 1, short, torchrun_env=False)
     assert len(first) == 2
     phase = base_args(str(tmp_path / "long"), {
-        "training.steps": 2, "validation.enable": "false",
+        "training.steps": 2, "validation.enable": "false", "checkpoint.enable": "true",
         "checkpoint.initial_load_path": str(tmp_path / "short" / "checkpoint" / "step-2"),
         "checkpoint.initial_load_model_only": "false", "checkpoint.initial_load_lr": "restart"})
     ((step, position, adam_steps, lines), losses) = run_distributed(_extend, 1, phase, torchrun_env=False)[0]
