@@ -90,3 +90,32 @@ def test_matches_block_causal_attention_fp64(cp, load_balance):
 def test_matches_full_attention_fp32():
     for fwd_err, bwd_err in run_distributed(_compare, 2, "ring", True, "float32"):
         assert fwd_err < 1e-5 and bwd_err < 1e-5, (fwd_err, bwd_err)
+
+
+# opcheck's checks but "test_aot_dispatch_dynamic" (a compile of each operator: 20 s on 2 cores; the
+# compiled parity tests, tests/test_compile_parallel.py, trace the operators as compiled blocks do)
+CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
+
+
+def _opcheck() -> None:
+    import torch.distributed as dist
+
+    from parallelisms.ring_attention import _ring_backward, _ring_forward
+
+    dist.init_process_group("gloo")
+    name = dist.group.WORLD.group_name
+    gen = torch.Generator().manual_seed(0)
+    # q/k/v as the model hands them over: [B, S, H, D] transposed to [B, H, S, D] (non-contiguous)
+    q, k, v, g = (torch.randn(2, 16, 3, 8, generator=gen).transpose(1, 2) for _ in range(4))
+    positions = cp_positions(16, 1, False)
+    torch.library.opcheck(_ring_forward, (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), positions,
+                                          None, name), test_utils=CHECKS)
+    out, lse = _ring_forward(q.detach(), k.detach(), v.detach(), positions, None, name)
+    torch.library.opcheck(_ring_backward, (g, q.detach(), k.detach(), v.detach(), out, lse, positions, None, name),
+                          test_utils=CHECKS)
+
+
+def test_ring_operator_fake_kernels_and_autograd():
+    """torch.library.opcheck: the operators' fake kernels give the real outputs' shapes and strides
+    (inductor asserts them), schema and autograd registration are consistent (one rank)."""
+    run_distributed(_opcheck, 1)
