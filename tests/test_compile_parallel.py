@@ -1,7 +1,7 @@
 """torch.compile with context parallel and with the MoE family trains like one eager process (gloo, CPU):
 loss, grad norm and validation, clipping engaged.
 
-Every layout runs in ONE set of 4 forked ranks (tests/training_utils.py ``LayoutRuns``): a compile is
+Every layout runs in ONE set of 4 forked ranks (tests/training_utils.py ``run_in_turn``): a compile is
 paid per rank and layout, so ranks are not forked again per layout. All layouts but one use the
 ``aot_eager`` backend: Dynamo and AOTAutograd trace the blocks (forward and backward graphs, the
 ring's custom operator as an opaque node, the MoE block's compiled parts) exactly as they would for
@@ -15,7 +15,7 @@ import pytest
 
 from tests.dist_utils import run_distributed
 from tests.test_document_mask_parity import _data, corpus  # noqa: F401  (corpus is a fixture)
-from tests.training_utils import LayoutRuns, assert_parity, base_args, clipping_sides, train_and_record
+from tests.training_utils import assert_parity, base_args, clipping_sides, run_in_turn, train_and_record
 
 pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)
 
@@ -51,14 +51,30 @@ def references(tmp_path_factory, corpus, reference):  # noqa: F811
     return {**result, "dense": reference}
 
 
+def _train_compiled(folder: str, layouts: dict[str, dict]) -> dict:
+    """In every rank, each layout in turn with Dynamo's caches cleared first: every layout builds new
+    modules, so each would recompile the shared code objects (the blocks' forward) and five layouts
+    in one process reach Dynamo's recompile limit, which fullgraph turns into an error. A training
+    process builds one model."""
+    import torch
+
+    def one(name, overrides):
+        torch._dynamo.reset()
+        return train_and_record(base_args(f"{folder}/{name}", overrides))
+
+    return run_in_turn(layouts, one)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, corpus):  # noqa: F811
-    layouts = {name: (4, {**overrides, **(_data(corpus) if ref == "mask" else {})})
-               for name, (overrides, ref) in LAYOUTS.items()}
-    return LayoutRuns(layouts, str(tmp_path_factory.mktemp("compile_parallel")))
+    layouts = {name: {**overrides, **(_data(corpus) if ref == "mask" else {})} for name, (overrides, ref) in LAYOUTS.items()}
+    results = run_distributed(_train_compiled, 4, str(tmp_path_factory.mktemp("compile_parallel")), layouts,
+                              timeout=1200)
+    return {name: [rank[name] for rank in results] for name in LAYOUTS}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_compiled_layout_equals_one_eager_process(layout, references, runs):
-    for history in runs.history(layout):
+    for history in runs[layout]:
+        assert not isinstance(history, str), f"layout {layout}:\n{history}"
         assert_parity(history, references[LAYOUTS[layout][1]])
