@@ -122,8 +122,18 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _widen(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` zero-padded on its last dim to ``width``: the CPU flash kernel needs one head width for q,
+    k and v, and a value wider by zeros gives the same output (and gradients) in its first columns."""
+    return t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+
+
 def _kernel_forward(q, k, v, causal, mask, scale):
     """(out [B, H, Lq, Dv] in q's dtype, lse [B, H, Lq] float32 or wider) of one block pair."""
+    if v.shape[-1] != q.shape[-1]:  # MLA (models/deepseek_v3): value heads narrower than query-key heads
+        width = max(q.shape[-1], v.shape[-1])
+        out, lse = _kernel_forward(_widen(q, width), _widen(k, width), _widen(v, width), causal, mask, scale)
+        return out[..., : v.shape[-1]], lse
     if q.device.type == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
         return out, lse.to(_lse_dtype(q.dtype))
@@ -133,6 +143,11 @@ def _kernel_forward(q, k, v, causal, mask, scale):
 
 def _kernel_backward(dout, q, k, v, out, lse, causal, mask, scale):
     """(dq, dk, dv) of one block pair, from the global ``out`` and ``lse`` of the query rows."""
+    if v.shape[-1] != q.shape[-1]:  # as in _kernel_forward
+        width = max(q.shape[-1], v.shape[-1])
+        dq, dk, dv = _kernel_backward(_widen(dout, width), _widen(q, width), _widen(k, width), _widen(v, width),
+                                      _widen(out, width), lse, causal, mask, scale)
+        return dq[..., : q.shape[-1]], dk[..., : k.shape[-1]], dv[..., : v.shape[-1]]
     if q.device.type == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse.to(_lse_dtype(q.dtype)), 0.0, causal, attn_mask=mask, scale=scale)
