@@ -330,8 +330,9 @@ def resolve_model_args(model_cfg, *, seq_len: int, tokenizer_vocab_size: int):
         (ModelSpec, model args dataclass).
 
     Raises:
-        ValueError: unknown name/flavor, a bad ``model.args_path``, a tokenizer vocabulary larger
-            than the model's embedding table, or ``seq_len`` above the model's ``max_seq_len``.
+        ValueError: unknown name/flavor, a bad ``model.args_path``, or a tokenizer vocabulary larger
+            than the model's embedding table. A ``seq_len`` above the model's ``max_seq_len`` is
+            allowed (context extension; see :func:`long_context_warning`).
     """
     spec, args, _, _ = resolve_model(model_cfg, seq_len=seq_len, tokenizer_vocab_size=tokenizer_vocab_size)
     return spec, args
@@ -354,11 +355,21 @@ def resolve_model(model_cfg, *, seq_len: int, tokenizer_vocab_size: int):
             f"{tokenizer_vocab_size} tokens but model {label} has vocab_size "
             f"{args.vocab_size}. Set model.vocab_size >= {tokenizer_vocab_size} or use a smaller tokenizer."
         )
-    if seq_len > args.max_seq_len:
-        raise ValueError(
-            f"training.seq_len = {seq_len} exceeds the maximum sequence length {args.max_seq_len} of "
-            f"model {label}. Lower training.seq_len."
-        )
     args = dataclasses.replace(args, max_seq_len=seq_len)
     args.validate()
     return spec, args, base, label
+
+
+def long_context_warning(base, seq_len: int, label: str) -> str | None:
+    """One line when ``seq_len`` exceeds the ``max_seq_len`` the model ``base`` was trained for, else None.
+
+    Longer positions train (the RoPE tables are sized to ``seq_len``); how meaningful they are depends
+    on the frequencies, which the line names (``rope_summary`` of the family's args: Llama 3.1's llama3
+    scaling, DeepSeek-V3's YaRN (Peng et al. 2023, arXiv 2309.00071), or none).
+    """
+    if seq_len <= base.max_seq_len:
+        return None
+    summary = getattr(base, "rope_summary", "unknown")
+    return (f"training.seq_len = {seq_len} is past the max_seq_len {base.max_seq_len} model {label} was trained for "
+            f"({seq_len / base.max_seq_len:g}x): positions {base.max_seq_len}..{seq_len - 1} train with RoPE {summary}; "
+            f"checkpoints and Hugging Face exports record max_seq_len = {seq_len}")

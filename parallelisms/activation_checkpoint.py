@@ -19,8 +19,8 @@ Modes (``[activation_checkpoint]``):
   replays the forward's decisions by index in the recomputation (torch/utils/checkpoint.py
   ``_CachedTorchDispatchMode``), and a torch that asks the policy again there gets a counter of its
   own (``ctx.is_recompute``), so forward and recomputation decide alike. Context parallel's ring
-  attention is a custom autograd function of plain matmuls (parallelisms/ring_attention.py): its
-  ops follow the policy one by one, so its K/V exchange runs again in the recomputation.
+  attention is one custom operator (parallelisms/ring_attention.py), kept like SDPA's kernels:
+  its K/V exchange does not run again in the recomputation.
 - ``selective`` with ``selective_ac_option = "op_all_matmuls"``: the same, keeping every matmul
   output (``mm``, ``addmm``, ``bmm``): only the element-wise ops and all-gathers are recomputed. It
   keeps about a third more per block than "op" (engine/planner/activations.py) and recomputes no
@@ -36,6 +36,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+import parallelisms.ring_attention  # noqa: F401  (registers quadra::ring_attention, kept by the policies)
 
 _MODES = ("none", "full", "selective")
 OP_OPTIONS = ("op", "op_all_matmuls")  # the per-op policies (module docstring)
@@ -54,6 +56,7 @@ _ATTENTION_OPS = {
     _op("aten", "_scaled_dot_product_flash_attention_for_cpu"),
     _op("aten", "_scaled_dot_product_cudnn_attention"),
     _op("_c10d_functional", "reduce_scatter_tensor"),
+    _op("quadra", "ring_attention"),  # registered by parallelisms/ring_attention.py, imported above
 } - {None}
 # The matmuls "op" counts; every second one of a block forward is recomputed.
 # torch._scaled_mm: a float8 linear's matmul (torchao's Float8Linear, parallelisms/float8.py).

@@ -60,6 +60,23 @@ _RING_FACTOR = {
 }
 
 
+# Observers of communication inside opaque custom operators (parallelisms/ring_attention.py), which a
+# dispatch mode cannot see: it receives the operator as one op and runs its body with the mode off.
+# Each observer's ``opaque_collective(kind, group, payload_bytes)`` is called per tensor sent or
+# received; ``OPAQUE_GROUP[0]`` names the group whose requests are being waited on (for timers that
+# time ``Work.wait``), None outside such a wait.
+OPAQUE_OBSERVERS: list = []
+OPAQUE_GROUP: list = [None]
+
+
+def report_opaque(kind: str, group: dist.ProcessGroup, tensors: list[torch.Tensor]) -> None:
+    """Tell the active observers (:data:`OPAQUE_OBSERVERS`) about ``tensors`` sent or received
+    (``kind`` "send" / "recv") in ``group`` by an opaque operator."""
+    for observer in list(OPAQUE_OBSERVERS):
+        for tensor in tensors:
+            observer.opaque_collective(kind, group, _nbytes(tensor))
+
+
 def resolve_group(group) -> dist.ProcessGroup:
     """The process group a dispatched collective names: a c10d group name (functional collectives),
     a boxed ``ProcessGroup`` script object (c10d ops) or a ``ProcessGroup``."""
@@ -124,6 +141,18 @@ class CommCounter(TorchDispatchMode):
 
     def __post_init__(self):
         super().__init__()
+
+    def __enter__(self):
+        OPAQUE_OBSERVERS.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        OPAQUE_OBSERVERS.remove(self)
+        return super().__exit__(*exc)
+
+    def opaque_collective(self, kind: str, group, payload: int) -> None:
+        """A send/recv inside an opaque operator (:func:`report_opaque`)."""
+        self._record(kind, group, payload)
 
     def _record(self, kind: str, group, payload: int) -> None:
         group = resolve_group(group)

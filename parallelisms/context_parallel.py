@@ -63,10 +63,12 @@ class _CPAttention:
 
     def __init__(self, method, positions: torch.Tensor, cp_mesh: DeviceMesh):
         self.method, self.positions, self.mesh = method, positions, cp_mesh
+        # Resolved once: a compiled block then sees a group name and an int, no process-group calls.
+        self.group_name, self.rank = cp_mesh.get_group().group_name, cp_mesh.get_local_rank()
 
     def __call__(self, q, k, v, documents=None):
         positions = self.positions.to(q.device)
-        return self.method(q, k, v, positions, self.mesh.get_group(), documents)
+        return self.method(q, k, v, positions, self.group_name, documents, rank=self.rank)
 
 
 class ContextParallel:

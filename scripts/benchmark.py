@@ -39,6 +39,8 @@ Cases (debugmodel, fp32, CPU, gloo; one intra-op thread per rank):
   a set's first start (later starts trust the record, as every start-up sample here does).
 - ``muon``: the engine's step with Muon over the same step with AdamW, 1 process and FSDP2 on 2
   (scripts/benchmarks/optimizers.py).
+- ``compile_parallel``: compiled over eager step time, cp 2 and ep 2 side by side
+  (scripts/benchmarks/compile_parallel.py).
 - ``data_prepare`` (optional: ``--only data_prepare``): scripts/prepare_data.py's preparation of the
   bundled corpus repeated 8 times (11.6M tokens, one jsonl, its Arrow conversion included) with
   ``--num_proc`` 1 and 2, interleaved, each in a fresh process; the speed-up of 2 over 1.
@@ -66,10 +68,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from scripts.benchmarks import runs  # noqa: E402
 from scripts.benchmarks.harness import MachineBusyError, Stat, guard_load, interleave, ratio_stat  # noqa: E402
+from scripts.benchmarks.compile_parallel import case_compile_parallel  # noqa: E402,F401  (found by name)
 from scripts.benchmarks.optimizers import case_muon  # noqa: E402,F401  (found by name in main)
 from tests.dist_utils import run_distributed  # noqa: E402
 
-CASES = ("loop", "scaling", "comm", "memory", "ac_compile", "document_mask", "loss", "data", "muon")
+CASES = ("loop", "scaling", "comm", "memory", "ac_compile", "document_mask", "loss", "data", "muon",
+         "compile_parallel")
 OPTIONAL_CASES = ("data_prepare",)  # run only when named in --only
 FSDP2 = {"parallelism.dp_shard": 2}
 DDP2 = {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 1}

@@ -57,6 +57,8 @@ ROWS = (
     ("grouped_mm_moe", "gpu_check_rows", "row_grouped_mm", 90),
     ("bf16_fsdp_step", "gpu_check_train", "row_bf16", 90),
     ("compile_per_block", "gpu_check_train", "row_compile", 180),
+    ("ring_kernels_compile_cp", "gpu_check_longctx", "row_ring_kernels", 150),
+    ("compile_moe", "gpu_check_longctx", "row_compile_moe", 150),
     ("mfu_llama3", "gpu_check_train", "row_mfu", 330),
     ("float8_step", "gpu_check_float8", "row_float8", 240),
 )

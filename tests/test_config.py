@@ -48,6 +48,7 @@ parallelism.loss_parallel parallelism.async_tp
 comm.backend comm.init_timeout_seconds comm.hang_timeout_seconds
 checkpoint.enable checkpoint.folder checkpoint.interval checkpoint.keep_latest_k checkpoint.async_mode
 checkpoint.load_step checkpoint.initial_load_path checkpoint.initial_load_model_only
+checkpoint.initial_load_lr checkpoint.initial_load_data
 metrics.log_freq metrics.enable_tensorboard metrics.save_tb_folder metrics.peak_tflops
 metrics.log_all_ranks metrics.time_attribution
 metrics.enable_wandb metrics.wandb_project metrics.wandb_entity metrics.wandb_run_name metrics.wandb_tags

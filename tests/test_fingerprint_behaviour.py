@@ -91,6 +91,15 @@ SPECS: dict[str, Spec] = {
     "checkpoint.initial_load_model_only": Spec(
         {"checkpoint.initial_load_model_only": False},
         {**CKPT, "checkpoint.interval": 1, "checkpoint.initial_load_path": f"{SOURCE_FOLDER}/checkpoint/step-2"}),
+    # a full load of step-2 that restarts the schedule at step 0, or reads from the first window
+    "checkpoint.initial_load_lr": Spec(
+        {"checkpoint.initial_load_lr": "restart"},
+        {**CKPT, "checkpoint.interval": 1, "checkpoint.initial_load_path": f"{SOURCE_FOLDER}/checkpoint/step-2",
+         "checkpoint.initial_load_model_only": False}),
+    "checkpoint.initial_load_data": Spec(
+        {"checkpoint.initial_load_data": "restart"},
+        {**CKPT, "checkpoint.interval": 1, "checkpoint.initial_load_path": f"{SOURCE_FOLDER}/checkpoint/step-2",
+         "checkpoint.initial_load_model_only": False}),
     "step_health.on_nonfinite": Spec({"step_health.on_nonfinite": "skip"}, inject={2: "nan_grad"}),
     "step_health.loss_spike_sigma": Spec({"step_health.loss_spike_sigma": 3.0}, SPIKE_WINDOW, inject={3: "loss_spike"}),
     "step_health.grad_norm_spike_sigma": Spec({"step_health.grad_norm_spike_sigma": 3.0}, SPIKE_WINDOW,

@@ -295,10 +295,6 @@ BAD_SETTINGS = {
         lambda: _validate_moe(dataclasses.replace(DEBUG, moe_inter_dim=6), tp=4),
         TensorParallelError, r"parallelism.tp = 4 does not divide the model's shared experts' width .* = 6",
     ),
-    "compile": (
-        lambda: validate_moe_parallelism(DEBUG, parallelism(), seq_len=64, device_type="cpu", compile_enabled=True),
-        ExpertParallelError, r'compile.enable = true is not supported for model.name = "moe".*compile.enable = false',
-    ),
     "ep with a dense model": (
         lambda: validate_llama_parallelism(get_model_args("llama", "debugmodel"), parallelism(ep=2), seq_len=64,
                                            device_type="cpu", compile_enabled=False),

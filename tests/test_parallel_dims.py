@@ -7,6 +7,7 @@ import types
 import pytest
 
 from engine.setup.model_builder import resolve_model_args
+from models.registry import get_model_spec
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
 from tests.dist_utils import run_distributed
 
@@ -84,9 +85,18 @@ def test_tokenizer_larger_than_model():
         resolve_model_args(model_cfg(), seq_len=128, tokenizer_vocab_size=32000)
 
 
-def test_seq_len_over_model_maximum():
-    with pytest.raises(ValueError, match="training.seq_len = 4096 exceeds the maximum sequence length 2048"):
-        resolve_model_args(model_cfg(), seq_len=4096, tokenizer_vocab_size=4096)
+def test_seq_len_over_model_maximum_trains_with_rope_tables_of_that_length():
+    """Context extension: the tables cover the run's length (the warning: tests/test_long_context.py)."""
+    from models.registry import long_context_warning
+
+    spec, args = resolve_model_args(model_cfg(), seq_len=4096, tokenizer_vocab_size=4096)
+    assert args.max_seq_len == 4096
+    base = spec.flavors["debugmodel"]
+    assert "max_seq_len 2048" in long_context_warning(base, 4096, "llama/debugmodel")
+    assert "RoPE none (rope_theta 500000, unscaled)" in long_context_warning(base, 4096, "x")
+    assert long_context_warning(base, 2048, "x") is None
+    yarn = get_model_spec("deepseek_v3").flavors["debugmodel"]
+    assert "YaRN (factor 4, original_max_seq_len 512" in long_context_warning(yarn, 4096, "x")
 
 
 @pytest.mark.parametrize("field, value", [("name", "gpt"), ("flavor", "7B")])

@@ -40,6 +40,9 @@ LAYOUTS = {
     "tp2_no_sp": (2, {"parallelism.dp_shard": 1, "parallelism.tp": 2, "parallelism.sequence_parallel": "false",
                       "training.local_batch_size": 4}),
     "cp2_fsdp": (2, {"parallelism.dp_shard": 1, "parallelism.cp": 2, "training.local_batch_size": 4}),
+    # 512 tokens per rank under full AC (TorchTitan's long-context setting): a recomputed block's
+    # backward holds the ring's buffers in flight (engine/planner/activations.py ring_inflight_bytes)
+    "cp2_s256_ac_full": (2, {"parallelism.dp_shard": 1, "parallelism.cp": 2, **S256, "activation_checkpoint.mode": "full"}),
     "pp2_1f1b_accum2": (2, {"parallelism.dp_shard": 1, "parallelism.pp": 2, "parallelism.pp_microbatch_size": 2,
                             "training.local_batch_size": 4}),
     "moe_ep2_fsdp2": (2, {"model.name": "moe", "model.flavor": "debugmodel", "parallelism.dp_shard": 2, "parallelism.ep": 2, **ACCUM2}),

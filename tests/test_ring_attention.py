@@ -33,7 +33,14 @@ def test_validation(args, message):
             validate_context_parallel(*args)
 
 
-def _compare(method: str, load_balance: bool, dtype_name: str) -> tuple[float, float]:
+def _documents(batch: int, seq_len: int) -> torch.Tensor:
+    """int [B, S] document ids: sequence 0 one document, sequence 1 documents starting at 0, 5 and 11."""
+    ids = torch.zeros(batch, seq_len, dtype=torch.int32)
+    ids[1, 5:], ids[1, 11:] = 1, 2
+    return ids
+
+
+def _compare(method: str, load_balance: bool, dtype_name: str, with_documents: bool = False) -> tuple[float, float]:
     import torch.distributed as dist
 
     from parallelisms.ring_attention import allgather_attention, ring_attention
@@ -45,13 +52,19 @@ def _compare(method: str, load_balance: bool, dtype_name: str) -> tuple[float, f
     q, k, v, dout = (torch.randn(2, 3, 16, 8, generator=gen, dtype=dtype) for _ in range(4))
     for t in (q, k, v):
         t.requires_grad_(True)
-    full = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    documents = _documents(2, 16) if with_documents else None
+    if documents is None:
+        full = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:
+        causal = torch.ones(16, 16, dtype=torch.bool).tril()
+        mask = (causal & (documents[:, :, None] == documents[:, None, :])).unsqueeze(1)
+        full = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     full.backward(dout)
     positions = cp_positions(16, cp, load_balance)
     mine = positions[rank]
     local = [t.detach()[:, :, mine].clone().requires_grad_(True) for t in (q, k, v)]
     fn = ring_attention if method == "ring" else allgather_attention
-    out = fn(*local, positions, dist.group.WORLD)
+    out = fn(*local, positions, dist.group.WORLD, documents)
     out.backward(dout[:, :, mine])
     fwd_err = (out - full.detach()[:, :, mine]).abs().max().item()
     bwd_err = max((l.grad - t.grad[:, :, mine]).abs().max().item() for l, t in zip(local, (q, k, v)))
@@ -66,6 +79,72 @@ def test_matches_full_attention_fp64(cp, load_balance, method):
         assert fwd_err < 1e-10 and bwd_err < 1e-10, (fwd_err, bwd_err)
 
 
+@pytest.mark.parametrize("cp, load_balance", [(2, True), (4, False)])
+def test_matches_block_causal_attention_fp64(cp, load_balance):
+    """Document masks: the per-block additive mask, and query rows with no visible key in a block
+    (sequence 1's documents 1 and 2 see none of the keys before position 5, resp. 11)."""
+    for fwd_err, bwd_err in run_distributed(_compare, cp, "ring", load_balance, "float64", True):
+        assert fwd_err < 1e-10 and bwd_err < 1e-10, (fwd_err, bwd_err)
+
+
 def test_matches_full_attention_fp32():
     for fwd_err, bwd_err in run_distributed(_compare, 2, "ring", True, "float32"):
         assert fwd_err < 1e-5 and bwd_err < 1e-5, (fwd_err, bwd_err)
+
+
+# opcheck's checks but "test_aot_dispatch_dynamic" (a compile of each operator: 20 s on 2 cores; the
+# compiled parity tests, tests/test_compile_parallel.py, trace the operators as compiled blocks do)
+CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
+
+
+def _opcheck() -> None:
+    import torch.distributed as dist
+
+    from parallelisms.ring_attention import _ring_backward, _ring_forward
+
+    dist.init_process_group("gloo")
+    name = dist.group.WORLD.group_name
+    gen = torch.Generator().manual_seed(0)
+    # q/k/v as the model hands them over: [B, S, H, D] transposed to [B, H, S, D] (non-contiguous)
+    q, k, v, g = (torch.randn(2, 16, 3, 8, generator=gen).transpose(1, 2) for _ in range(4))
+    positions = cp_positions(16, 1, False)
+    torch.library.opcheck(_ring_forward, (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), positions,
+                                          None, name), test_utils=CHECKS)
+    out, lse = _ring_forward(q.detach(), k.detach(), v.detach(), positions, None, name)
+    torch.library.opcheck(_ring_backward, (g, q.detach(), k.detach(), v.detach(), out, lse, positions, None, name),
+                          test_utils=CHECKS)
+
+
+def test_ring_operator_fake_kernels_and_autograd():
+    """torch.library.opcheck: the operators' fake kernels give the real outputs' shapes and strides
+    (inductor asserts them), schema and autograd registration are consistent (one rank)."""
+    run_distributed(_opcheck, 1)
+
+
+def _compare_narrow_values() -> tuple[float, float]:
+    """MLA's shapes (models/deepseek_v3): value heads of 12 beside query-key heads of 24, cp 2."""
+    import torch.distributed as dist
+
+    from parallelisms.ring_attention import ring_attention
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 3, 16, 24, generator=gen, dtype=torch.float64) for _ in range(2))
+    v, dout = (torch.randn(2, 3, 16, 12, generator=gen, dtype=torch.float64) for _ in range(2))
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    full = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    full.backward(dout)
+    positions = cp_positions(16, 2, True)
+    mine = positions[rank]
+    local = [t.detach()[:, :, mine].clone().requires_grad_(True) for t in (q, k, v)]
+    out = ring_attention(*local, positions, dist.group.WORLD)
+    out.backward(dout[:, :, mine])
+    bwd = max((l.grad - t.grad[:, :, mine]).abs().max().item() for l, t in zip(local, (q, k, v)))
+    return (out - full.detach()[:, :, mine]).abs().max().item(), bwd
+
+
+def test_narrower_value_heads_match_full_attention():
+    for fwd_err, bwd_err in run_distributed(_compare_narrow_values, 2):
+        assert fwd_err < 1e-10 and bwd_err < 1e-10, (fwd_err, bwd_err)

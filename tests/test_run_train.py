@@ -94,7 +94,6 @@ SETUP_ERRORS = {
     "global batch": (["--training.global_batch_size", "12"], "training.global_batch_size"),
     "missing dataset": (["--data.path", "/nonexistent/corpus.jsonl"], "data.path"),
     "tokenizer larger than model": (["--model.vocab_size", "1000"], "model.vocab_size >= 4096"),
-    "seq_len over max": (["--training.seq_len", "4096"], "training.seq_len = 4096 exceeds"),
     "unknown flavor": (["--model.flavor", "7B"], "model.flavor"),
     "unknown model": (["--model.name", "gpt"], "model.name"),
     "tp vs heads": (["--parallelism.tp", "2", "--parallelism.dp_shard", "1", "--model.vocab_size", "4097"],
@@ -103,7 +102,6 @@ SETUP_ERRORS = {
     "pp microbatches": (["--parallelism.pp", "2", "--parallelism.pp_microbatch_size", "3"],
                         "parallelism.pp_microbatch_size = 3"),
     "ep on a dense model": (["--parallelism.ep", "2"], "parallelism.ep = 2"),
-    "cp with compile": (["--parallelism.cp", "2", "--compile.enable", "true"], "compile.enable = true with parallelism.cp = 2"),
     "unwritable checkpoint folder": (["--checkpoint.folder", "/proc/quadra"], "checkpoint.folder = '/proc/quadra'"),
 }
 

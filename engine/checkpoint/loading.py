@@ -183,7 +183,7 @@ class LoadingMixin:
             if problem is None:
                 self.state.load_model_state_dict(model)
             return problem
-        return self._load_full(path, metadata, candidate.marker or {})
+        return self._load_full(path, metadata, candidate.marker or {}, initial=candidate.initial)
 
     def _log_once(self, message: str, *args, level: int = logging.INFO) -> None:
         if self.dist.rank == 0:
@@ -229,8 +229,10 @@ class LoadingMixin:
                        "job.dump_folder, checkpoint.initial_load_path)")
         self._raise_on_every_rank(problem)
 
-    def _load_full(self, path: str, metadata, marker: dict) -> str | None:
-        """Read and put back the whole training state; -> None, or the read error (see _dcp_load)."""
+    def _load_full(self, path: str, metadata, marker: dict, initial: bool = False) -> str | None:
+        """Read and put back the whole training state; -> None, or the read error (see _dcp_load).
+        ``initial`` (another run's checkpoint, ``checkpoint.initial_load_path``): the step, LR schedule
+        and data position follow ``initial_load_lr`` / ``initial_load_data`` (:meth:`_start_phase`)."""
         for key in ("trainer.step", "lr_scheduler.last_epoch", "dataloader.position"):
             if key not in metadata.state_dict_metadata:
                 raise CheckpointError(
@@ -240,6 +242,7 @@ class LoadingMixin:
         # position) from the checkpoint: the same values when nothing changed, and a changed
         # optimizer or schedule setting takes effect from the first resumed step.
         settings, base_lrs = optimizer_settings(self.state.optimizers), list(self.lr_scheduler.base_lrs)
+        fresh_schedule, fresh_loader = self.lr_scheduler.state_dict(), self.dataloader.state_dict()
         state = self._training_state()
         state["dataloader"] = _saved_loader_keys(metadata, state["dataloader"])
         # A checkpoint from before a trainer key existed (e.g. step_health) lacks it: ask only for saved ones.
@@ -260,11 +263,39 @@ class LoadingMixin:
         restore_optimizer_settings(self.state.optimizers, settings)
         self.lr_scheduler.base_lrs = base_lrs
         reapply_lr(self.lr_scheduler)
-        self._load_data_position(state["dataloader"])
         self.trainer.load_state_dict(state["trainer"])
+        if initial:
+            self._start_phase(path, state["dataloader"], fresh_schedule, fresh_loader)
+        else:
+            self._load_data_position(state["dataloader"])
         if "rng" in state:
             set_rng_state(state["rng"][rank_key], self.device)
         return None
+
+    def _start_phase(self, path: str, saved: dict, fresh_schedule: dict, fresh_loader: dict) -> None:
+        """A new phase from another run's full checkpoint (e.g. context extension at a longer
+        ``training.seq_len``): weights and optimizer state are loaded; the step and LR schedule
+        continue or restart (``checkpoint.initial_load_lr``), the data continues after the tokens
+        the checkpoint consumed (``seq_len`` × windows, in windows of this run's length) or restarts
+        (``initial_load_data``). Says which in one line."""
+        cfg, step = self.cfg, self.trainer.step
+        if cfg.initial_load_lr == "restart":
+            self.trainer.step = 0
+            self.lr_scheduler.load_state_dict(fresh_schedule)
+            reapply_lr(self.lr_scheduler)
+        old, new = saved["seq_len"], fresh_loader["seq_len"]
+        tokens = saved["position"] * old
+        data = "data restarts at the first window"
+        if cfg.initial_load_data == "continue":
+            if old != new:
+                saved = {**saved, "seq_len": new, "windows_per_epoch": fresh_loader["windows_per_epoch"],
+                         "position": -(-tokens // new), "microbatch": 0}
+            self._load_data_position(saved)
+            data = f"data continues after {tokens} tokens (window {self.dataloader.state_dict()['position']})"
+        lr = (f"LR schedule continues at step {step}" if cfg.initial_load_lr == "continue"
+              else f"step count and LR schedule restart at 0 (the checkpoint was at step {step})")
+        self._log_once("new phase from %s: seq_len %d -> %d; weights and optimizer state loaded; %s; %s",
+                       path, old, new, lr, data)
 
     def _training_state(self) -> dict:
         """What a full checkpoint holds besides the RNG: the dict given to dcp.save, or filled by dcp.load."""

@@ -35,6 +35,7 @@ class Candidate:
     model_only: bool
     marker: dict | None
     problem: str | None = None
+    initial: bool = False  # checkpoint.initial_load_path (another run's), not this run's own folder
 
 
 @dataclass
@@ -87,7 +88,7 @@ def plan_load(cfg, folder: str) -> LoadPlan | None:
         # A folder without quadra.json (written elsewhere) is not damaged: it has no manifest.
         # A full load of a weights-only folder fails in the manager with a clear message.
         marker = files.read_marker(path) or {"step": 0}
-        return LoadPlan([Candidate(path, int(marker.get("step", 0)), cfg.initial_load_model_only, marker)],
+        return LoadPlan([Candidate(path, int(marker.get("step", 0)), cfg.initial_load_model_only, marker, initial=True)],
                         f"checkpoint.initial_load_path = {path!r}", "point it at another checkpoint")
     logger.info("no checkpoint in %s: starting from step 0", folder)
     return None

@@ -41,7 +41,7 @@ _CLASSES: dict[str, dict[str, tuple[str, ...]]] = {
         "optimizer": ("name", "lr", "beta1", "beta2", "eps", "weight_decay", "muon_momentum", "muon_nesterov",
                       "muon_ns_steps", "muon_ns_coefficients", "muon_adjust_lr", "param_groups"),
         "lr_scheduler": ("warmup_steps", "decay_type", "decay_ratio", "min_lr"),
-        "checkpoint": ("initial_load_path", "initial_load_model_only"),
+        "checkpoint": ("initial_load_path", "initial_load_model_only", "initial_load_lr", "initial_load_data"),
         # Which updates are applied: a skipped step trains nothing, so the same data gives another model.
         "step_health": ("on_nonfinite", "loss_spike_sigma", "grad_norm_spike_sigma", "window"),
         "document_mask": ("enable", "restart_positions"),  # what each token attends to, its positions

@@ -248,6 +248,12 @@ class CheckpointSection:
                                       "(e.g. another run's step-N)")
     initial_load_model_only: bool = _opt(True, "from initial_load_path load model weights only "
                                                "(fresh optimizer, schedule and data at step 0)")
+    initial_load_lr: str = _opt("continue", "with initial_load_model_only = false: continue the checkpoint's step "
+                                            "and LR schedule, or restart both at step 0 (e.g. a context-extension "
+                                            "phase with its own warmup)", choices=("continue", "restart"))
+    initial_load_data: str = _opt("continue", "with initial_load_model_only = false: continue after the tokens the "
+                                              "checkpoint consumed (also at another training.seq_len), or restart "
+                                              "at the first window", choices=("continue", "restart"))
 
 
 @dataclass

@@ -226,6 +226,12 @@ def checkpoint_problems(c: CheckpointSection) -> list[tuple[bool, str, Any, str]
          "is only used with checkpoint.enable = true; enable checkpointing or leave load_step = -1"),
         (not c.enable and c.initial_load_path != "", "checkpoint.initial_load_path", c.initial_load_path,
          'is only used with checkpoint.enable = true; enable checkpointing or set it to ""'),
+        (c.initial_load_lr != "continue" and (c.initial_load_model_only or not c.initial_load_path),
+         "checkpoint.initial_load_lr", c.initial_load_lr,
+         "applies to a full load only: set checkpoint.initial_load_path and initial_load_model_only = false"),
+        (c.initial_load_data != "continue" and (c.initial_load_model_only or not c.initial_load_path),
+         "checkpoint.initial_load_data", c.initial_load_data,
+         "applies to a full load only: set checkpoint.initial_load_path and initial_load_model_only = false"),
     ]
 
 

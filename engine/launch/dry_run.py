@@ -85,6 +85,8 @@ def dry_run(cfg, world_size: int, *, gpus_per_node: int) -> int:
               f"{r.state.param_elements:,} local parameters of {r.unsharded_param_elements:,} on its stages")
     agree = "equal" if formula == real else f"DIFFER (formula {formula})"
     print(f"  planner formulas vs real plan (rank {busiest.rank}): {agree}")
+    for warning in setup.warnings:  # e.g. a seq_len past the model's max_seq_len
+        print(f"  warning: {warning}")
     print(table([est.as_dict()]))
     verdict = "fits" if est.fits else "does NOT fit"
     print(f"dry run: {verdict}: {est.memory.total / GIB:.1f} GiB per rank of {gpu.usable_bytes / GIB:.1f} GiB usable "

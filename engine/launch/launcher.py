@@ -308,7 +308,8 @@ def _preflight(cfg, nproc: int, nodes: tuple[int, int], gpus: int) -> int:
         _say(f"set-up error: {error}")
         return 2
     # (A replica group's launch started by engine/launch/replica_groups.py: its parent said them.)
-    warnings = [] if os.environ.get("QUADRA_PREFLIGHT_DONE") else [*cfg.warnings(), *hardware_warnings(cfg, device_type)]
+    warnings = [] if os.environ.get("QUADRA_PREFLIGHT_DONE") else [
+        *cfg.warnings(), *setup.warnings, *hardware_warnings(cfg, device_type)]
     for warning in warnings:
         _say(f"warning: {warning}")
     if gpus:  # the planner's fit check; only where CUDA GPUs are (the CPU path imports no torch here)

@@ -31,7 +31,7 @@ from collections import defaultdict, deque
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from parallelisms.comm_counter import c10d_group_arg, functional_group_arg, group_name
+from parallelisms.comm_counter import OPAQUE_GROUP, c10d_group_arg, functional_group_arg, group_name
 
 # Mesh names (parallelisms/parallel_dims.py) -> the dim reported. FSDP's groups: dp_shard, or
 # dp_shard_cp when cp ranks shard too, or dp_shard_mod_ep for MoE experts under ep.
@@ -70,7 +70,8 @@ class CommTimer(TorchDispatchMode):
                 return original(work, *args, **kwargs)
             finally:
                 queue = timer._outstanding.get(str(work._get_op_type()))
-                group = queue.popleft() if queue else "unattributed"
+                # inside an opaque operator (context parallel's ring) the dispatch mode saw no op
+                group = queue.popleft() if queue else (OPAQUE_GROUP[0] or "unattributed")
                 timer.seconds[group] += time.perf_counter() - start
 
         work_cls.wait = timed_wait

@@ -164,6 +164,20 @@ def backward_temporary_bytes(layout) -> int:
     return _tokens(layout) * (4 * f + att.backward + math) // layout.tp * layout.param_bytes
 
 
+def ring_inflight_bytes(layout) -> int:
+    """Bytes context parallel's ring (parallelisms/ring_attention.py, ``cp_rotate_method = "ring"``,
+    cp > 1) holds beyond the block's saved tensors at the peak of one block's backward, at a hop of the
+    ring: the fp32 accumulators of dq and of the travelling block's dk, dv, the received block's dk,
+    dv (fp32) and k, v, this rank's k, v and the output gradient made contiguous for the kernels
+    (compute dtype): T·(d/t)·(5·4 + 5·B), d = n_heads·head_dim (K/V repeated to every query head).
+    The kernels themselves keep only [H/t] per token (lse) between the chunks; 0 without the ring."""
+    if layout.cp == 1 or layout.cfg.parallelism.cp_rotate_method != "ring":
+        return 0
+    att = attention_activations(layout)
+    d = att.heads * att.v_head_dim
+    return _tokens(layout) * d // layout.tp * (5 * 4 + 5 * layout.param_bytes)
+
+
 def recomputed_backward_bytes(layout) -> int:
     """Bytes beyond the recomputed block's activations at its backward's peak, when the whole block
     is recomputed (full AC, selective every N-th block) or its per-op policy's recomputation has
@@ -265,6 +279,7 @@ def activation_bytes(layout, pp_rank: int = 0) -> int:
     elif ac != "none":  # per-op: the recomputation brings back what the cache does not hold
         backward = block_activation_bytes(layout, "none") - block_activation_bytes(layout, ac) \
             + block_activation_bytes(layout, "full") + recomputed_backward_bytes(layout)
+    backward += ring_inflight_bytes(layout)
     head = 0
     if has_last:
         # Each other microbatch in flight on the last stage (GPipe: all M) still holds its

@@ -37,7 +37,9 @@ Recomputation (full AC, every N-th block, and the per-op policies, which rerun t
 the kept op outputs from a cache) repeats a block's forward collectives in backward: under tp both
 all-gathers but only the first of its two reduce-scatters / all-reduces (torch's checkpoint stops
 recomputing once the last tensor backward needs is back, before the block's last collective), and
-no reduce-scatter under the per-op policies (they keep its output); under cp and ep all of them.
+no reduce-scatter under the per-op policies (they keep its output); under ep all of them, under cp
+(the ring) all of them in a whole-block recomputation and none under the per-op policies (they
+keep the ring operator's output).
 Measured on the CPU runs of tests/test_planner_runs.py for tp; cp and ep under AC are not measured.
 """
 
@@ -139,7 +141,10 @@ def comm_bytes(layout, coords: dict | None = None) -> dict[str, dict]:
             tally.add("cp", "reduce_scatter", n_mb * n_layers * full)
         else:
             hops = layout.cp - 1
-            send = hops * 2 * kb * recompute + hops * (2 * kb + 2 * kf) + 2 * kf
+            # The per-op policies keep the ring operator's output (parallelisms/activation_checkpoint.py):
+            # only a whole-block recomputation (full AC, every N-th block) runs its exchange again.
+            rerun = 1.0 if layout.ac[0] == "selective" and not layout.ac[1].isdigit() else recompute
+            send = hops * 2 * kb * rerun + hops * (2 * kb + 2 * kf) + 2 * kf
             tally.add("cp", "send", n_mb * n_layers * send)
             tally.add("cp", "recv", n_mb * n_layers * send)
     if layout.ep > 1:

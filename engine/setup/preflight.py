@@ -34,6 +34,8 @@ class SetupPlan:
         tokenizer: the loaded ``model.tokenizer_path`` (engine/data/tokenizer.py), for the process
             to reuse: the trainer's data loaders read through it.
         pp_plans: one ``PipelinePlan`` per pp rank (empty without pipeline parallel), planned once.
+        warnings: what is unusual about the model at this ``seq_len`` (one line each, printed once:
+            by the launcher, or by rank 0 when started without it).
     """
 
     parallel_dims: object
@@ -46,6 +48,7 @@ class SetupPlan:
     model_label: str
     tokenizer: object = None
     pp_plans: tuple = ()
+    warnings: tuple = ()
 
     def pipeline_plan(self, pp_rank: int):
         """The ``PipelinePlan`` of pp rank ``pp_rank``, or None without pipeline parallel."""
@@ -108,7 +111,9 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
         its value and the fix.
     """
     from engine.data.batch_sizes import resolve_batch_sizes
-    from models.registry import model_record
+    import dataclasses
+
+    from models.registry import long_context_warning, model_record
     from parallelisms.checks import validate_context_parallel
     from parallelisms.parallel_dims import ParallelDims
     from parallelisms.pipeline_plan import plan_model_pipeline
@@ -154,8 +159,27 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
     if check_data:
         _check_local_data(cfg, tokenizer)
         _check_checkpoint_folder(cfg)
+    # A run past the model's max_seq_len records the length it trained at (Hugging Face exports
+    # write it as max_position_embeddings); a shorter run keeps the model's own.
+    recorded = dataclasses.replace(base_args, max_seq_len=max(base_args.max_seq_len, t.seq_len))
+    warning = long_context_warning(base_args, t.seq_len, label)
     return SetupPlan(parallel_dims, spec, args, vocab, global_batch, accum,
-                     model_record(cfg.model.name, base_args), label, tokenizer, pp_plans)
+                     model_record(cfg.model.name, recorded), label, tokenizer, pp_plans,
+                     tuple(w for w in (warning,) if w))
+
+
+def check_rank_setup(cfg, world_size: int, device_type: str, rank: int) -> SetupPlan:
+    """:func:`check_setup` for a rank at start-up (no data checks: the launcher did them); rank 0
+    logs the plan's warnings when no launcher printed them (a rank started by plain torchrun or a test).
+
+    Raises:
+        as :func:`check_setup`.
+    """
+    setup = check_setup(cfg, world_size, device_type, check_data=False)
+    if rank == 0 and not os.environ.get("QUADRA_LAUNCHER"):
+        for warning in setup.warnings:
+            logger.warning("%s", warning)
+    return setup
 
 
 def _check_wandb(cfg) -> None:

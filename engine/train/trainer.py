@@ -35,7 +35,7 @@ from engine.observe.metrics import MetricsLogger
 from engine.observe.sinks import agreed_run_id
 from engine.setup.model_builder import build_context_parallel, build_model_parts
 from engine.train.optimizer import build_optimizer
-from engine.setup.preflight import check_setup
+from engine.setup.preflight import check_rank_setup
 from engine.observe.profiling import StepProfiler
 from engine.train.runner import PipelineRunner, SingleRunner, StepContext
 from engine.train.signals import StopRequest
@@ -88,7 +88,7 @@ class Trainer:
         self.ft = ReplicaGroup(cfg.fault_tolerance, self, rank=self.dist.rank, world_size=self.dist.world_size,
                                device=self.device) if cfg.fault_tolerance.enable else None
         # The launcher's pre-flight rules once more, for ranks started some other way.
-        setup = check_setup(cfg, self.dist.world_size, self.device.type, check_data=False)
+        setup = check_rank_setup(cfg, self.dist.world_size, self.device.type, self.dist.rank)
         self.parallel_dims, self.model_spec, self.model_args = setup.parallel_dims, setup.model_spec, setup.model_args
         self.global_batch_size = setup.global_batch_size
         self.model_record, self.model_label = setup.model_record, setup.model_label

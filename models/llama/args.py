@@ -103,6 +103,14 @@ class LlamaModelArgs:
                 self.rope_original_max_seq_len)
 
     @property
+    def rope_summary(self) -> str:
+        """The RoPE frequencies in words, for messages: "llama3 scaling (factor 8, ...)" or "none"."""
+        if self.rope_scaling == "none":
+            return f"none (rope_theta {self.rope_theta:g}, unscaled)"
+        return (f"llama3 scaling (factor {self.rope_scaling_factor:g}, low_freq_factor {self.rope_low_freq_factor:g}, "
+                f"high_freq_factor {self.rope_high_freq_factor:g}, original_max_seq_len {self.rope_original_max_seq_len})")
+
+    @property
     def ffn_hidden_dim(self) -> int:
         """SwiGLU hidden width: `ffn_hidden_size` when set, else see `ffn_hidden_dim`."""
         if self.ffn_hidden_size is not None:

@@ -1,4 +1,7 @@
-"""Named LLaMA-3 sizes (`model.flavor`). Numbers follow Meta's released configurations."""
+"""Named LLaMA-3 sizes (`model.flavor`). Numbers follow Meta's released configurations: the 1B
+(Llama 3.2) and 8B/70B/405B (Llama 3.1) flavors have Llama 3.1's RoPE scaling ("llama3": factor 32
+for 3.2, 8 for 3.1; low/high frequency factors 1/4; original context 8192 tokens), which is what
+makes their 131,072 positions (and a context extended past them) meaningful."""
 
 from __future__ import annotations
 
@@ -41,6 +44,8 @@ llama3_flavors: dict[str, LlamaModelArgs] = {
         multiple_of=256,
         ffn_dim_multiplier=1.5,
         rope_theta=500000.0,
+        rope_scaling="llama3",
+        rope_scaling_factor=32.0,
         max_seq_len=131072,
     ),
     # 8,030,261,248 parameters (untied).
@@ -53,6 +58,7 @@ llama3_flavors: dict[str, LlamaModelArgs] = {
         multiple_of=1024,
         ffn_dim_multiplier=1.3,
         rope_theta=500000.0,
+        rope_scaling="llama3",
         max_seq_len=131072,
     ),
     # 70,553,706,496 parameters (untied).
@@ -65,6 +71,7 @@ llama3_flavors: dict[str, LlamaModelArgs] = {
         multiple_of=4096,
         ffn_dim_multiplier=1.3,
         rope_theta=500000.0,
+        rope_scaling="llama3",
         max_seq_len=131072,
     ),
     "405B": LlamaModelArgs(
@@ -76,6 +83,7 @@ llama3_flavors: dict[str, LlamaModelArgs] = {
         multiple_of=4096,
         ffn_dim_multiplier=1.2,
         rope_theta=500000.0,
+        rope_scaling="llama3",
         max_seq_len=131072,
     ),
 }

@@ -3,7 +3,7 @@ pre-flight (engine/setup/preflight.py) and every rank run the same rule before a
 
 from __future__ import annotations
 
-from parallelisms.checks import ExpertParallelError, validate_expert_parallel, validate_tensor_parallel
+from parallelisms.checks import validate_expert_parallel, validate_tensor_parallel
 
 
 def validate_moe_parallelism(
@@ -15,18 +15,12 @@ def validate_moe_parallelism(
     vocabulary, sequence) and the shared experts' width; expert parallel splits the routed experts.
 
     Raises:
-        ExpertParallelError (a ValueError): ``num_experts`` not divisible by ``ep``; ``compile.enable``
-            (blocks are compiled with fullgraph=True, and routing has data-dependent shapes).
+        ExpertParallelError (a ValueError): ``num_experts`` not divisible by ``ep``. (``compile.enable``
+            compiles the blocks' static-shape parts; routing stays eager: parallelisms/compile.py.)
         TensorParallelError (a ValueError): a size above not divisible by ``tp``, and the other
             tensor-parallel checks.
     """
     validate_expert_parallel(parallelism_cfg.ep, model_args.num_experts)
-    if compile_enabled:
-        raise ExpertParallelError(
-            "compile.enable = true is not supported for model.name = \"moe\" yet: blocks are compiled "
-            "whole (fullgraph), and token routing has data-dependent sizes (tokens per expert, "
-            "all-to-all splits) that break the graph. Set compile.enable = false."
-        )
     divisible = {
         "dim": model_args.dim,
         "n_heads": model_args.n_heads,

@@ -60,16 +60,10 @@ def validate_qwen3_moe_parallelism(
     :func:`validate_qwen3_parallelism`).
 
     Raises:
-        ExpertParallelError (a ValueError): ``num_experts`` not divisible by ``ep``; ``compile.enable``
-            (token routing has data-dependent sizes that break a whole-block graph).
+        ExpertParallelError (a ValueError): ``num_experts`` not divisible by ``ep`` (``compile.enable``
+            compiles the blocks' static-shape parts, parallelisms/compile.py).
         TensorParallelError (a ValueError): as for the dense model.
     """
     validate_expert_parallel(parallelism_cfg.ep, model_args.num_experts)
-    if compile_enabled:
-        raise ExpertParallelError(
-            "compile.enable = true is not supported for model.name = \"qwen3_moe\" yet: blocks are compiled "
-            "whole (fullgraph), and token routing has data-dependent sizes (tokens per expert, all-to-all "
-            "splits) that break the graph. Set compile.enable = false."
-        )
     _validate_tp(model_args, parallelism_cfg, seq_len=seq_len, device_type=device_type,
                  compile_enabled=compile_enabled)
