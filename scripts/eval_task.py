@@ -15,8 +15,11 @@ the string lm_eval hands its model. Needs lm_eval (``pip install -e ".[dev]"``):
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from engine.data.eval_tasks import write_task  # noqa: E402  (torch-free)
 
 
 def convert(task_name: str, include_path: str | None, limit: int | None = None,
@@ -70,10 +73,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--num_fewshot", type=int, default=None)
     args = parser.parse_args(argv)
     examples = convert(args.task, args.include_path, args.limit, args.num_fewshot)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w", encoding="utf-8") as file:
-        for example in examples:
-            file.write(json.dumps(example) + "\n")
+    write_task(args.output, examples)
     print(f"wrote {len(examples)} examples of task {args.task} to {args.output}")
     return args.output
 

@@ -20,6 +20,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from engine.data.eval_tasks import write_task  # noqa: E402  (torch-free)
 
 
 def _spans(text: str, words: int) -> list[tuple[int, int]]:
@@ -75,10 +76,7 @@ def main(argv: list[str] | None = None) -> str:
         else:
             texts = [json.loads(line)[args.text_column] for line in file if line.strip()]
     tasks = make_task(texts, args.examples, args.choices, args.context_chars, args.words, args.seed)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w", encoding="utf-8") as file:
-        for example in tasks:
-            file.write(json.dumps(example) + "\n")
+    write_task(args.output, tasks)
     print(f"wrote {len(tasks)} examples of {args.choices} choices to {args.output}")
     return args.output
 

@@ -12,6 +12,7 @@ import pytest
 
 from engine.config import JobConfig, config_to_toml
 from engine.config.fingerprint import CONVERGENCE, EXECUTION, KEY_CLASS, NUMERICS, changes, fingerprint, key_class
+from tests.training_utils import train_to_end
 
 try:
     import tomllib
@@ -94,15 +95,7 @@ def test_diff_refuses_a_bad_config_in_one_line():
     assert _diff(DEBUG).returncode == 2
 
 
-def _train(argv: list[str]) -> None:
-    from engine.config import load_config
-    from engine.train.trainer import Trainer
-
-    trainer = Trainer(load_config(argv))
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
+_train = train_to_end  # (tests/training_utils.py)
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from engine.parity.compare import (clipping_sides, engaging_max_norm, history_di
                                    parameter_differences, tolerance)
 from engine.parity.layouts import LayoutError, auto_layouts, parse_layout, fit_batch
 from tests.dist_utils import run_distributed
-from tests.training_utils import MAX_NORM, REPO, base_args
+from tests.training_utils import MAX_NORM, REPO, base_args, train_to_end
 
 SCRIPT = os.path.join(REPO, "scripts", "parity.py")
 
@@ -172,15 +172,7 @@ def test_float64_mode_refuses_what_it_cannot_do(overrides, words):
     assert "\n" not in str(error.value)
 
 
-def _train(argv: list[str]) -> None:
-    from engine.config import load_config
-    from engine.train.trainer import Trainer
-
-    trainer = Trainer(load_config(argv))
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
+_train = train_to_end  # (tests/training_utils.py)
 
 
 @pytest.mark.slow  # runs through the launcher (see pyproject.toml)

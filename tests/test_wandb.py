@@ -14,7 +14,7 @@ import pytest
 
 from tests.dist_utils import run_distributed
 from tests.extras import require_extra
-from tests.training_utils import base_args
+from tests.training_utils import base_args, train_to_end
 
 BLOCK = 32768  # the LevelDB log format of the .wandb transaction log: 32 KiB blocks
 HEADER = 7  # ":W&B", 2 magic bytes, a version byte; then records of crc (4), length (2), type (1)
@@ -45,15 +45,7 @@ def read_wandb_records(path: str) -> list:
     return records
 
 
-def _train(argv: list[str]) -> None:
-    from engine.config import load_config
-    from engine.train.trainer import Trainer
-
-    trainer = Trainer(load_config(argv))
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
+_train = train_to_end  # (tests/training_utils.py)
 
 
 def _numeric_keys(record: dict) -> set[str]:

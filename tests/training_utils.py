@@ -82,6 +82,18 @@ def base_args(dump_folder: str, overrides: dict | None = None) -> list[str]:
     return argv
 
 
+def train_to_end(argv: list[str]) -> None:
+    """Build a Trainer from ``argv`` and train to ``training.steps`` (in a test's forked ranks)."""
+    from engine.config import load_config
+    from engine.train.trainer import Trainer
+
+    trainer = Trainer(load_config(argv))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+
+
 def gradient_placement_errors(params) -> list[str]:
     """Parameters whose gradient is not laid out like the parameter: a DTensor gradient must have the
     parameter's mesh, placements and local shape (else it is e.g. a full-size replica of a sharded

@@ -108,6 +108,16 @@ def read_task(name: str, path: str, limit: int = -1) -> Task:
     return Task(name, path, tuple(examples))
 
 
+def write_task(path: str, examples: list[dict]) -> str:
+    """Write ``examples`` ({"context", "choices", "gold"} each) as a task file of the format
+    :func:`read_task` reads, one JSON object per line (the folder is created); returns ``path``."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as file:
+        for example in examples:
+            file.write(json.dumps(example) + "\n")
+    return path
+
+
 def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """(context tokens, continuation tokens) as lm_eval's causal ``_encode_pair`` splits them, the
     context prefixed with BOS (EOS when the tokenizer has none; module docstring).
