@@ -33,6 +33,7 @@ DOCUMENTS = {**QLORA, "document_mask.enable": "true", "document_mask.restart_pos
 # Two multi-token-prediction depths in the objective (models/deepseek_v3/mtp.py): under fsdp their
 # modules are in the root unit, under ep their MoE's experts are split like the main blocks'.
 MTP = {**QLORA, "model.flavor": "debugmodel_mtp", "loss.mtp_weight": "0.3", "training.max_norm": "0.8"}  # norms 0.61-0.97
+DOCUMENTS_MTP = {**MTP, "document_mask.enable": "true", "document_mask.restart_positions": "true"}
 TOLERANCE = 1e-12
 
 LAYOUTS = {
@@ -48,10 +49,20 @@ LAYOUTS = {
     "documents_cp2": (2, {**DOCUMENTS, "parallelism.cp": 2, "parallelism.dp_shard": 1}),
     "ep2_x_tp2": (4, {**QLORA, "parallelism.dp_shard": 2, "parallelism.ep": 2, "parallelism.tp": 2,
                       "training.local_batch_size": 4}),
+    # Multi-token prediction under tp (MTP's projections beside the heads split, the vocab-parallel
+    # loss), pp (MTP on the last stage with a copy of the embedding, gradients summed with stage 0's)
+    # and cp with document masking (shifted tokens and targets cut after the shift, load-balanced).
+    "tp2_mtp": (2, {**MTP, "parallelism.tp": 2, "parallelism.dp_shard": 1}),
+    "tp2_mtp_no_sequence_parallel": (2, {**MTP, "parallelism.tp": 2, "parallelism.dp_shard": 1,
+                                         "parallelism.sequence_parallel": "false"}),
+    "pp2_mtp": (2, {**MTP, "parallelism.pp": 2, "parallelism.dp_shard": 1}),
+    "documents_cp2_mtp": (2, {**DOCUMENTS_MTP, "parallelism.cp": 2, "parallelism.dp_shard": 1}),
+    "ep2_x_tp2_mtp": (4, {**MTP, "parallelism.dp_shard": 2, "parallelism.ep": 2, "parallelism.tp": 2,
+                          "training.local_batch_size": 4}),
 }
 
 
-REFERENCES = {"qlora": QLORA, "full_q": FULL_Q, "documents": DOCUMENTS, "mtp": MTP}
+REFERENCES = {"qlora": QLORA, "full_q": FULL_Q, "documents": DOCUMENTS, "mtp": MTP, "documents_mtp": DOCUMENTS_MTP}
 
 
 def _reference_name(overrides: dict) -> str:
