@@ -6,7 +6,10 @@ wkv_a) and their RMSNorms stay replicated with gradients summed over every tp ra
 and without sequence parallel; the RoPE key's gradient too), ring attention with a value width
 (12) apart from the query-key width (24), YaRN's tables and softmax scale under cp's position
 sharding, group-limited routing under ep and ep × tp, and pipeline stages cutting the dense and MoE
-layers, multi-token prediction's modules under fsdp and ep. Layouts of one world size train in the same forked ranks (:class:`tests.training_utils.LayoutRuns`).
+layers, multi-token prediction's modules under fsdp, ep, tp (with and without sequence parallel), ep × tp,
+pp (on the last stage, beside a copy of the embedding whose gradient is summed with the first stage's)
+and cp with document masking (targets shifted on whole windows before the load-balanced split). Layouts
+of one world size train in the same forked ranks (:class:`tests.training_utils.LayoutRuns`).
 """
 
 from __future__ import annotations
