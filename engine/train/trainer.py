@@ -225,9 +225,8 @@ class Trainer:
             loss = self.runner.step(microbatches, global_tokens)
         self.recorder.end()
         with timer.phase("optimizer"):
-            params = [p for part in self.model_parts for p in part.parameters()]
-            grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_group=self.runner.pp_group,
-                                        uncounted=self.runner.uncounted_parameters())
+            grad_norm = clip_grad_norm_([p for part in self.model_parts for p in part.parameters()], self.cfg.training.max_norm,
+                                        pp_group=self.runner.pp_group, uncounted=self.runner.uncounted_parameters())
             lr = self.lr_scheduler.get_last_lr()[0]
             # The step's one read of loss and grad norm (every rank holds the reduced values), before the
             # update so that engine/train/step_health.py can withhold it; z-loss only when it is on.
