@@ -122,6 +122,23 @@ def test_pipeline_split_puts_mtp_and_an_embedding_copy_on_the_last_stage():
     assert whole.embeds_tokens and not whole.shares_embeddings
 
 
+def test_a_rank_holding_both_ends_sums_their_gradients_and_counts_the_copy_once():
+    """A V-shaped schedule puts the first and the last stage on one rank: parallelisms/pipeline_tied.py
+    adds the two gradients there (no collective) and names only the copy as uncounted in the norm."""
+    from parallelisms.pipeline_tied import sum_tied_gradients, tied_copies
+
+    parts = []
+    for embeds in (True, False):
+        part = torch.nn.Module()
+        part.tok_embeddings, part.embeds_tokens, part.shares_embeddings = torch.nn.Embedding(4, 2), embeds, True
+        part.tok_embeddings.weight.grad = torch.full((4, 2), 1.0 if embeds else 2.0)
+        parts.append(part)
+    sum_tied_gradients(parts, plan=None, pp_group=None)
+    for part in parts:
+        assert torch.equal(part.tok_embeddings.weight.grad, torch.full((4, 2), 3.0))
+    assert tied_copies(parts) == [parts[1].tok_embeddings.weight]
+
+
 def test_hf_checkpoint_mtp_layer_imports_and_exports_bitwise(tmp_path, capsys):
     """A published checkpoint's MTP layer (``model.layers.{num_hidden_layers}.*``: enorm, hnorm,
     eh_proj, shared_head.norm, the block's names, and its copies of the embedding and head) reaches
