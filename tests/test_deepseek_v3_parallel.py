@@ -36,6 +36,7 @@ DOCUMENTS = {**QLORA, "document_mask.enable": "true", "document_mask.restart_pos
 # Two multi-token-prediction depths in the objective (models/deepseek_v3/mtp.py): under fsdp their
 # modules are in the root unit, under ep their MoE's experts are split like the main blocks'.
 MTP = {**QLORA, "model.flavor": "debugmodel_mtp", "loss.mtp_weight": "0.3", "training.max_norm": "0.8"}  # norms 0.61-0.97
+MTP_UNFUSED = {**MTP, "loss.chunk_tokens": 0}
 DOCUMENTS_MTP = {**MTP, "document_mask.enable": "true", "document_mask.restart_positions": "true"}
 TOLERANCE = 1e-12
 
@@ -59,13 +60,17 @@ LAYOUTS = {
     "tp2_mtp_no_sequence_parallel": (2, {**MTP, "parallelism.tp": 2, "parallelism.dp_shard": 1,
                                          "parallelism.sequence_parallel": "false"}),
     "pp2_mtp": (2, {**MTP, "parallelism.pp": 2, "parallelism.dp_shard": 1}),
+    # the unfused loss: the last stage still gets the labels, tp's MTP loss stays vocab-parallel
+    "pp2_mtp_unfused_loss": (2, {**MTP_UNFUSED, "parallelism.pp": 2, "parallelism.dp_shard": 1}),
+    "tp2_mtp_unfused_loss": (2, {**MTP_UNFUSED, "parallelism.tp": 2, "parallelism.dp_shard": 1}),
     "documents_cp2_mtp": (2, {**DOCUMENTS_MTP, "parallelism.cp": 2, "parallelism.dp_shard": 1}),
     "ep2_x_tp2_mtp": (4, {**MTP, "parallelism.dp_shard": 2, "parallelism.ep": 2, "parallelism.tp": 2,
                           "training.local_batch_size": 4}),
 }
 
 
-REFERENCES = {"qlora": QLORA, "full_q": FULL_Q, "documents": DOCUMENTS, "mtp": MTP, "documents_mtp": DOCUMENTS_MTP}
+REFERENCES = {"qlora": QLORA, "full_q": FULL_Q, "documents": DOCUMENTS, "mtp": MTP, "mtp_unfused": MTP_UNFUSED,
+              "documents_mtp": DOCUMENTS_MTP}
 
 
 def _reference_name(overrides: dict) -> str:

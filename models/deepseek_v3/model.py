@@ -260,13 +260,11 @@ class DeepseekV3Transformer(MoETransformer):
         return main + self.mtp_weight * mtp_sum
 
     def _token_sum(self, h: torch.Tensor, targets: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
-        """Σ cross entropy of the shared head on normed ``h``: under tensor parallel (a vocab-sharded
-        DTensor head) always the fused vocab-parallel loss (models/linear_cross_entropy.py), over
-        chunks of ``chunk_tokens`` or, when 0, all tokens at once."""
-        weight = self.output.weight
-        if chunk_tokens <= 0 and hasattr(weight, "device_mesh"):
-            chunk_tokens = h.shape[0] * h.shape[1]
-        return token_sum_cross_entropy(h, weight, targets, chunk_tokens)
+        """Σ cross entropy of the shared head on normed ``h`` (``token_sum_cross_entropy``). Under
+        tensor parallel the head is vocab-sharded: the fused loss is Megatron's vocab-parallel one
+        (models/linear_cross_entropy.py); the unfused loss takes vocab-sharded logits inside the
+        runner's ``loss_parallel()`` and returns a Replicate DTensor."""
+        return token_sum_cross_entropy(h, self.output.weight, targets, chunk_tokens)
 
     def _mtp_token_sum(self, h, mtp_tokens, mtp_labels, block_inputs, chunk_tokens: int) -> torch.Tensor:
         """(1/D) Σ_k depth k's token-sum cross entropy (models/deepseek_v3/mtp.py); adds each depth's
