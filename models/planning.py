@@ -21,7 +21,9 @@ class ParamSpec:
     """One parameter: ``name`` (as in ``named_parameters``), global ``shape``, ``layer`` (block index;
     None for the embedding, final norm and output), ``tp_dim`` (dim sharded over tp; None when
     replicated), ``expert`` (a routed-experts tensor [E, ...], sharded over ep when ep > 1),
-    ``norm`` (an RMSNorm weight: a replicated DTensor under sequence parallel)."""
+    ``norm`` (an RMSNorm weight: a replicated DTensor under sequence parallel), ``on_last_stage``
+    (a first-stage parameter the last pipeline stage holds a copy of, beside its output head:
+    parallelisms/pipeline_tied.py)."""
 
     name: str
     shape: tuple[int, ...]
@@ -29,6 +31,7 @@ class ParamSpec:
     tp_dim: int | None = None
     expert: bool = False
     norm: bool = False
+    on_last_stage: bool = False
 
     @property
     def numel(self) -> int:

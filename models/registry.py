@@ -39,6 +39,7 @@ __all__ = [
     "model_record",
     "args_from_record",
     "load_model_record",
+    "read_json",
     "first_args_difference",
     "hf_spec_for_model_type",
     "DEFAULT_MODEL_NAME",
@@ -248,6 +249,20 @@ def args_from_record(record: dict, where: str) -> tuple[ModelSpec, Any]:
     return spec, args
 
 
+def read_json(file: str, fix: str, *, prefix: str = "", error_cls: type[ValueError] = ValueError):
+    """The JSON value in ``file``.
+
+    Raises:
+        ``error_cls``: the file is missing, unreadable or not JSON; one line: ``prefix``, the file, the
+            error and ``fix`` (what to point at instead).
+    """
+    try:
+        with open(file, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError) as error:
+        raise error_cls(f"{prefix}cannot read {file!r} ({type(error).__name__}: {error}); {fix}") from None
+
+
 def load_model_record(path: str) -> dict:
     """The model record at ``path``: a checkpoint folder (its quadra.json's "model" entry) or a
     JSON file holding a record (or a quadra.json).
@@ -257,12 +272,8 @@ def load_model_record(path: str) -> dict:
     """
     where = f"model.args_path = {path!r}"
     file = os.path.join(path, RECORD_FILE) if os.path.isdir(path) else path
-    try:
-        with open(file, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, ValueError) as error:
-        raise ValueError(f"{where}: cannot read {file!r} ({type(error).__name__}: {error}); point it at a "
-                         "folder written by scripts/convert_checkpoint.py from-hf or its quadra.json") from None
+    data = read_json(file, "point it at a folder written by scripts/convert_checkpoint.py from-hf or its quadra.json",
+                     prefix=f"{where}: ")
     record = data.get("model", data) if isinstance(data, dict) else data
     args_from_record(record, where)  # validates
     return record

@@ -106,6 +106,7 @@ def clip_grad_norm_(
     *,
     pp_group: dist.ProcessGroup | None = None,
     foreach: bool | None = None,
+    uncounted: Iterable[torch.Tensor] = (),
 ) -> torch.Tensor:
     """Compute the global L2 norm of all gradients and, if ``max_norm > 0``, scale them to it.
 
@@ -116,6 +117,9 @@ def clip_grad_norm_(
         pp_group: pipeline-parallel group whose ranks hold the other stages' parameters.
         foreach: False scales the gradients one by one; None/True with one foreach call per
             (device, dtype).
+        uncounted: parameters among ``parameters`` whose gradient is left out of the norm but
+            clipped (a pipeline stage's copy of a parameter another stage counts,
+            parallelisms/pipeline_tied.py).
 
     Returns:
         The total norm before clipping, a 0-dim fp32 tensor (fp64 for fp64 gradients) equal on every rank.
@@ -128,7 +132,9 @@ def clip_grad_norm_(
         return torch.zeros(())
     _reduce_pending(params)
     grads = [p.grad for p in params]
-    squared = _squared_norm(grads)
+    skip = {id(p) for p in uncounted}
+    counted = [p.grad for p in params if id(p) not in skip]
+    squared = _squared_norm(counted) if counted else torch.zeros((), dtype=torch.float64, device=grads[0].device)
     if pp_group is not None:
         dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=pp_group)
     # float32, or float64 for float64 gradients (the float64 reference mode): clip and log at that precision

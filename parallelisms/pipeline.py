@@ -47,17 +47,31 @@ from parallelisms.pipeline_plan import (  # noqa: F401  (re-exported: the planni
 
 
 def build_stage_module(model: nn.Module, layer_ids: tuple[int, ...], is_first: bool, is_last: bool) -> nn.Module:
-    """A copy of (meta) ``model`` that keeps only ``layer_ids`` and the ends this stage owns."""
+    """A copy of (meta) ``model`` that keeps only ``layer_ids`` and the ends this stage owns.
+
+    The modules a family names in ``head_modules`` (beside the output head, e.g. multi-token
+    prediction) stay on the last stage only. When they read the token embedding
+    (``head_reads_embeddings``), a last stage after the first keeps ``tok_embeddings`` too, as a
+    copy under the same name (so checkpoints hold one tensor, whatever the split) that does not embed
+    the stage's input (``embeds_tokens = False``); :func:`parallelisms.pipeline_tied.sum_tied_gradients`
+    keeps the two copies equal."""
     stage = copy.deepcopy(model)
     keep = {str(i) for i in layer_ids}
     for key in list(stage.layers.keys()):
         if key not in keep:
             del stage.layers[key]
+    head_reads = is_last and getattr(stage, "head_reads_embeddings", False)
+    # The first and the last stage share the embedding when they are different stages.
+    stage.shares_embeddings = getattr(stage, "head_reads_embeddings", False) and is_first != is_last
     if not is_first:
-        stage.tok_embeddings = None
+        stage.embeds_tokens = False
+        if not head_reads:
+            stage.tok_embeddings = None
     if not is_last:
         stage.norm = None
         stage.output = None
+        for name in getattr(stage, "head_modules", ()):
+            setattr(stage, name, None)
     return stage
 
 

@@ -178,3 +178,31 @@ def measure_layouts(folder: str, layouts: dict[str, dict]) -> dict[str, dict | s
     (tests/training_utils.py :func:`run_in_turn`)."""
     return run_in_turn(layouts, lambda name, overrides: measure_one(
         base_args(f"{folder}/{name}", {"training.steps": 3, **overrides})))
+
+
+def measured_layouts(layouts: dict[str, tuple[int, dict]], folder: str):
+    """``get(name) -> [per-rank result of measure_one]`` for ``layouts`` ({name: (world_size,
+    overrides)}): every layout of a world size is measured in the same forked ranks, once, on first
+    use (a module fixture of the planner-run tests returns it).
+
+    Raises (from ``get``):
+        AssertionError: a rank's measurement failed (its traceback).
+    """
+    from tests.dist_utils import run_distributed
+
+    cache: dict[int, list[dict]] = {}
+
+    def get(name: str) -> list[dict]:
+        world_size = layouts[name][0]
+        if world_size not in cache:
+            same = {n: o for n, (w, o) in layouts.items() if w == world_size}
+            cache[world_size] = run_distributed(measure_layouts, world_size, f"{folder}/w{world_size}", same,
+                                                timeout=60.0 + 40.0 * world_size * len(same),
+                                                torchrun_env=world_size > 1)
+        per_rank = [results[name] for results in cache[world_size]]
+        for result in per_rank:
+            if isinstance(result, str):
+                raise AssertionError(f"layout {name}:\n{result}")
+        return per_rank
+
+    return get

@@ -104,18 +104,39 @@ def test_mtp_gradient_reaches_the_shared_embedding_through_every_depth(model):
     model.mtp_stats.zero_()
 
 
-def test_mtp_refused_with_pp_cp_tp_in_one_line():
-    from types import SimpleNamespace
+def test_pipeline_split_puts_mtp_and_an_embedding_copy_on_the_last_stage():
+    """parallelisms/pipeline.py: the MTP modules go with the output head; the last stage keeps a copy
+    of the embedding under its own name (one checkpoint tensor) that does not embed its input, and
+    only the first and last stages share it (their gradients are summed, parallelisms/pipeline_tied.py)."""
+    from parallelisms.pipeline import build_stage_module
 
-    from models.deepseek_v3.checks import validate_deepseek_v3_parallelism
+    with torch.device("meta"):
+        model = DeepseekV3Transformer(deepseek_v3_flavors["debugmodel_mtp"])
+    first, middle, last = (build_stage_module(model, (i,), i == 0, i == 2) for i in range(3))
+    assert first.mtp is None and middle.mtp is None and middle.tok_embeddings is None
+    assert set(last.mtp) == {"0", "1"} and last.tok_embeddings is not None
+    assert (first.embeds_tokens, last.embeds_tokens) == (True, False)
+    assert (first.shares_embeddings, middle.shares_embeddings, last.shares_embeddings) == (True, False, True)
+    assert "tok_embeddings.weight" in dict(last.named_parameters())
+    whole = build_stage_module(model, (0, 1, 2), True, True)  # one stage: no copy to keep equal
+    assert whole.embeds_tokens and not whole.shares_embeddings
 
-    args = deepseek_v3_flavors["debugmodel_mtp"]
-    for name in ("pp", "cp", "tp"):
-        cfg = SimpleNamespace(**{"pp": 1, "cp": 1, "tp": 1, "ep": 1, "dp_shard": 1, "sequence_parallel": True,
-                                 "loss_parallel": True, "async_tp": False, name: 2})
-        with pytest.raises(ValueError, match=f"parallelism.{name} = 2 with num_nextn_predict_layers = 2") as err:
-            validate_deepseek_v3_parallelism(args, cfg, seq_len=32, device_type="cpu", compile_enabled=False)
-        assert "\n" not in str(err.value)
+
+def test_a_rank_holding_both_ends_sums_their_gradients_and_counts_the_copy_once():
+    """A V-shaped schedule puts the first and the last stage on one rank: parallelisms/pipeline_tied.py
+    adds the two gradients there (no collective) and names only the copy as uncounted in the norm."""
+    from parallelisms.pipeline_tied import sum_tied_gradients, tied_copies
+
+    parts = []
+    for embeds in (True, False):
+        part = torch.nn.Module()
+        part.tok_embeddings, part.embeds_tokens, part.shares_embeddings = torch.nn.Embedding(4, 2), embeds, True
+        part.tok_embeddings.weight.grad = torch.full((4, 2), 1.0 if embeds else 2.0)
+        parts.append(part)
+    sum_tied_gradients(parts, plan=None, pp_group=None)
+    for part in parts:
+        assert torch.equal(part.tok_embeddings.weight.grad, torch.full((4, 2), 3.0))
+    assert tied_copies(parts) == [parts[1].tok_embeddings.weight]
 
 
 def test_hf_checkpoint_mtp_layer_imports_and_exports_bitwise(tmp_path, capsys):

@@ -6,7 +6,10 @@ wkv_a) and their RMSNorms stay replicated with gradients summed over every tp ra
 and without sequence parallel; the RoPE key's gradient too), ring attention with a value width
 (12) apart from the query-key width (24), YaRN's tables and softmax scale under cp's position
 sharding, group-limited routing under ep and ep × tp, and pipeline stages cutting the dense and MoE
-layers, multi-token prediction's modules under fsdp and ep. Layouts of one world size train in the same forked ranks (:class:`tests.training_utils.LayoutRuns`).
+layers, multi-token prediction's modules under fsdp, ep, tp (with and without sequence parallel), ep × tp,
+pp (on the last stage, beside a copy of the embedding whose gradient is summed with the first stage's)
+and cp with document masking (targets shifted on whole windows before the load-balanced split). Layouts
+of one world size train in the same forked ranks (:class:`tests.training_utils.LayoutRuns`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ DOCUMENTS = {**QLORA, "document_mask.enable": "true", "document_mask.restart_pos
 # Two multi-token-prediction depths in the objective (models/deepseek_v3/mtp.py): under fsdp their
 # modules are in the root unit, under ep their MoE's experts are split like the main blocks'.
 MTP = {**QLORA, "model.flavor": "debugmodel_mtp", "loss.mtp_weight": "0.3", "training.max_norm": "0.8"}  # norms 0.61-0.97
+MTP_UNFUSED = {**MTP, "loss.chunk_tokens": 0}
+DOCUMENTS_MTP = {**MTP, "document_mask.enable": "true", "document_mask.restart_positions": "true"}
 TOLERANCE = 1e-12
 
 LAYOUTS = {
@@ -48,10 +53,24 @@ LAYOUTS = {
     "documents_cp2": (2, {**DOCUMENTS, "parallelism.cp": 2, "parallelism.dp_shard": 1}),
     "ep2_x_tp2": (4, {**QLORA, "parallelism.dp_shard": 2, "parallelism.ep": 2, "parallelism.tp": 2,
                       "training.local_batch_size": 4}),
+    # Multi-token prediction under tp (MTP's projections beside the heads split, the vocab-parallel
+    # loss), pp (MTP on the last stage with a copy of the embedding, gradients summed with stage 0's)
+    # and cp with document masking (shifted tokens and targets cut after the shift, load-balanced).
+    "tp2_mtp": (2, {**MTP, "parallelism.tp": 2, "parallelism.dp_shard": 1}),
+    "tp2_mtp_no_sequence_parallel": (2, {**MTP, "parallelism.tp": 2, "parallelism.dp_shard": 1,
+                                         "parallelism.sequence_parallel": "false"}),
+    "pp2_mtp": (2, {**MTP, "parallelism.pp": 2, "parallelism.dp_shard": 1}),
+    # the unfused loss: the last stage still gets the labels, tp's MTP loss stays vocab-parallel
+    "pp2_mtp_unfused_loss": (2, {**MTP_UNFUSED, "parallelism.pp": 2, "parallelism.dp_shard": 1}),
+    "tp2_mtp_unfused_loss": (2, {**MTP_UNFUSED, "parallelism.tp": 2, "parallelism.dp_shard": 1}),
+    "documents_cp2_mtp": (2, {**DOCUMENTS_MTP, "parallelism.cp": 2, "parallelism.dp_shard": 1}),
+    "ep2_x_tp2_mtp": (4, {**MTP, "parallelism.dp_shard": 2, "parallelism.ep": 2, "parallelism.tp": 2,
+                          "training.local_batch_size": 4}),
 }
 
 
-REFERENCES = {"qlora": QLORA, "full_q": FULL_Q, "documents": DOCUMENTS, "mtp": MTP}
+REFERENCES = {"qlora": QLORA, "full_q": FULL_Q, "documents": DOCUMENTS, "mtp": MTP, "mtp_unfused": MTP_UNFUSED,
+              "documents_mtp": DOCUMENTS_MTP}
 
 
 def _reference_name(overrides: dict) -> str:

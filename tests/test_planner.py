@@ -49,6 +49,9 @@ REAL_PLAN_LAYOUTS = {
     # multi-token prediction: its modules beside the output head in FSDP's root unit, their experts over ep
     "deepseek_v3_mtp_ep2_fsdp2": (2, {"model.name": "deepseek_v3", "model.flavor": "debugmodel_mtp",
                                       "parallelism.dp_shard": 2, "parallelism.ep": 2}),
+    # under pp the last stage also holds a copy of the embedding for MTP (parallelisms/pipeline_tied.py)
+    "deepseek_v3_mtp_pp2_tp2": (4, {"model.name": "deepseek_v3", "model.flavor": "debugmodel_mtp",
+                                    "parallelism.pp": 2, "parallelism.tp": 2, "parallelism.dp_shard": 1}),
     "deepseek_v3_16B_ep8": (8, {"model.name": "deepseek_v3", "model.flavor": "16B", "parallelism.dp_shard": 8,
                                 "parallelism.ep": 8}),
 }

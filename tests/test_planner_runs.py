@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist_utils import run_distributed
-from tests.planner_runs import measure_layouts
+from tests.planner_runs import measured_layouts
 from tests.training_utils import base_args
 
 pytestmark = pytest.mark.slow  # multi-process training
@@ -98,23 +97,7 @@ EP_LAYOUTS = {"moe_ep2_fsdp2"}  # all-to-all bytes per rank follow the routing: 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("planner_runs"))
-    cache: dict[int, list[dict]] = {}
-
-    def get(name: str) -> list[dict]:
-        world_size, _ = LAYOUTS[name]
-        if world_size not in cache:
-            same = {n: o for n, (w, o) in LAYOUTS.items() if w == world_size}
-            cache[world_size] = run_distributed(measure_layouts, world_size, f"{folder}/w{world_size}", same,
-                                                timeout=60.0 + 40.0 * world_size * len(same),
-                                                torchrun_env=world_size > 1)
-        per_rank = [results[name] for results in cache[world_size]]
-        for result in per_rank:
-            if isinstance(result, str):
-                raise AssertionError(f"layout {name}:\n{result}")
-        return per_rank
-
-    return get
+    return measured_layouts(LAYOUTS, str(tmp_path_factory.mktemp("planner_runs")))
 
 
 def _layout(name: str):

@@ -101,15 +101,11 @@ def import_hf_model(hf_dir: str, checkpoint_dir: str) -> dict:
         CheckpointError: no config.json, an unsupported model (see the family's models/<family>/hf.py), a missing or
             unexpected weight, or a weight whose shape does not match config.json.
     """
-    from models.registry import model_record
+    from models.registry import model_record, read_json
 
     config_path = os.path.join(hf_dir, "config.json")
-    try:
-        with open(config_path, encoding="utf-8") as fh:
-            config = json.load(fh)
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"cannot read {config_path!r} ({type(error).__name__}); from-hf needs a Hugging Face "
-                              "model folder with config.json and *.safetensors") from None
+    config = read_json(config_path, "from-hf needs a Hugging Face model folder with config.json and *.safetensors",
+                       error_cls=CheckpointError)
     name, args = args_from_hf_config(config, config_path)
     source = _SafetensorsFolder(hf_dir)
     args = args_for_weights(name, args, set(source.file_of))

@@ -67,8 +67,8 @@ class LocalParam:
 def stage_param_specs(params: list[ParamSpec], layers: tuple[int, ...] | None, first: bool,
                       last: bool) -> list[ParamSpec]:
     """The parameters (of :func:`model_params`) a pipeline stage holds: its layers, the embedding on the
-    first stage, the final norm and output head on the last (parallelisms/pipeline.py
-    ``build_stage_module``)."""
+    first stage (and its copy on the last when ``ParamSpec.on_last_stage``), the final norm and output
+    head on the last (parallelisms/pipeline.py ``build_stage_module``)."""
     keep = None if layers is None else set(layers)
     out = []
     for spec in params:
@@ -76,7 +76,7 @@ def stage_param_specs(params: list[ParamSpec], layers: tuple[int, ...] | None, f
             if keep is None or spec.layer in keep:
                 out.append(spec)
         elif spec.name.startswith("tok_embeddings"):
-            if first:
+            if first or (last and spec.on_last_stage):
                 out.append(spec)
         elif last:
             out.append(spec)

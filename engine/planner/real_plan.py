@@ -94,7 +94,11 @@ class RealPlan:
 
 @contextlib.contextmanager
 def fake_process_group(world_size: int, rank: int):
-    """A fake process group of ``world_size`` ranks in which this process is ``rank`` (no data moves)."""
+    """A fake process group of ``world_size`` ranks in which this process is ``rank`` (no data moves).
+
+    On exit the group is destroyed and the process forgets the fake meshes (:func:`forget_meshes`), so
+    a real run in this process, or in a process forked from it, starts as if no plan had been built.
+    """
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -105,6 +109,27 @@ def fake_process_group(world_size: int, rank: int):
         yield
     finally:
         dist.destroy_process_group()
+        forget_meshes()
+
+
+def forget_meshes() -> None:
+    """Clear DTensor's process-wide caches that hold ``DeviceMesh`` objects.
+
+    ``DeviceMesh`` equality compares the ranks a mesh spans, its layout, device type and dim names,
+    not the rank of the process that built it nor its process groups, so a later, real mesh of the same shape is equal to a fake one. DTensor's sharding
+    propagation caches (the Python one and the C++ fast path's, cleared together by
+    ``torch.distributed.tensor.debug._clear_sharding_prop_cache``) would then return output specs that
+    carry the fake mesh, whose coordinate is the fake rank's: a real rank 1 of tp 2 computed rank 0's
+    shards (torch 2.13; found as tp 2 losses 0.6 % off in runs forked after a dry run). Also cleared:
+    the redistribute planner's and the mesh topology caches, keyed by specs and meshes the same way.
+    """
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _gen_transform_infos.cache_clear()
+    MeshTopoInfo.build_from_mesh.cache_clear()
 
 
 def rank_of(coords: dict, dims) -> int:

@@ -43,6 +43,10 @@ class DocumentInputs:
         self.restart_positions = restart_positions
         self.context_parallel = context_parallel
 
+    def mask_ids(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """int32 [B, S] document ids of whole windows when ``mask`` (block-causal attention), else None."""
+        return document_ids(tokens, self.bos_id) if self.mask else None
+
     def model_kwargs(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
         """``{"documents": int32 [B, S]}`` (with mask) and ``{"positions": int64 [B, S / cp]}`` (with
         restart_positions).

@@ -91,7 +91,8 @@ class DownstreamEvaluation:
         sums = torch.zeros(self.total_rows, dtype=torch.float64, device=device)
         for start in range(self.first_row, self.last_row, self.rows_per_batch):
             inputs, labels = self._batch(start)
-            rows = self.runner.evaluate_rows(*self.runner.context.shard(inputs, labels))
+            inputs, labels, _ = self.runner.context.shard(inputs, labels)  # (training objectives' window: unused)
+            rows = self.runner.evaluate_rows(inputs, labels)
             sums[start:start + self.rows_per_batch] = rows.to(device)
         for part in model_parts:
             part.train()

@@ -32,6 +32,7 @@ from parallelisms.context_parallel import ContextParallel
 from parallelisms.data_parallel import sync_on_last_microbatch
 from parallelisms.float8 import precompute_float8_scales
 from parallelisms.pipeline import PipelinePlan, build_pipeline_schedule, evaluation_order
+from parallelisms.pipeline_tied import sum_tied_gradients, tied_copies
 from parallelisms.pipeline_timing import StageBusyTimer
 from parallelisms.tensor_parallel import loss_parallel_context, to_local
 
@@ -64,17 +65,30 @@ class StepContext:
         self.autocast_bf16 = autocast_bf16
         self.loss_parallel = loss_parallel
         self.documents = documents
+        # Parts whose objective needs more than the next token (e.g. multi-token prediction).
+        self.window_parts = [part for part in model_parts if getattr(part, "needs_labels", False)]
 
-    def shard(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def shard(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """This rank's tokens of LongTensor[B, S] inputs and labels: [B, S / cp] under context
         parallel, unchanged otherwise; moved to the device. With ``[document_mask]`` on the inputs stay
-        whole windows (their document ids need every token): :meth:`model_inputs` cuts them."""
+        whole windows (their document ids need every token): :meth:`model_inputs` cuts them.
+
+        Returns:
+            (inputs, labels, window): ``window`` holds the model's keyword inputs that come from the
+            whole windows (a part's ``window_inputs(tokens, labels, documents)``, e.g. multi-token
+            prediction's shifted tokens and targets, [B, S, ...]), cut along the sequence like the
+            labels: a shift computed after the cut would miss the other cp ranks' tokens. {} usually.
+        """
         inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+        window = {}
+        for part in self.window_parts:
+            window.update(part.window_inputs(inputs, labels, self.documents and self.documents.mask_ids(inputs)))
         if self.context_parallel is None:
-            return inputs, labels
+            return inputs, labels, window
+        window = {name: self.context_parallel.shard(value) for name, value in window.items()}
         if self.documents is not None:
-            return inputs, self.context_parallel.shard(labels)
-        return self.context_parallel.shard(inputs), self.context_parallel.shard(labels)
+            return inputs, self.context_parallel.shard(labels), window
+        return self.context_parallel.shard(inputs), self.context_parallel.shard(labels), window
 
     def model_inputs(self, inputs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(token ids the model embeds, keyword inputs of every model part) of :meth:`shard`'s inputs:
@@ -115,14 +129,15 @@ class _Runner:
         self.model_parts = model_parts
         self.context = context
 
-    def forward_backward(self, inputs, labels, global_tokens):  # pragma: no cover - abstract
+    def forward_backward(self, inputs, labels, global_tokens, window=None):  # pragma: no cover - abstract
         raise NotImplementedError
 
     def step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], global_tokens: torch.Tensor) -> torch.Tensor:
         """Forward and backward of every microbatch of a step (gradients accumulate).
 
         Args:
-            microbatches: this rank's (inputs, labels), LongTensor[local_batch_size, S / cp] each.
+            microbatches: this rank's (inputs, labels, window) of :meth:`StepContext.shard`,
+                LongTensor[local_batch_size, S / cp] inputs and labels.
             global_tokens: label tokens of the whole step (all dp ranks, all microbatches).
 
         Returns:
@@ -133,9 +148,9 @@ class _Runner:
             self._float8_scales_ready = True
         loss = torch.zeros((), device=self.context.device)
         with self.accumulation(len(microbatches)) as before_each:
-            for (inputs, labels), _ in zip(microbatches, before_each):
+            for (inputs, labels, window), _ in zip(microbatches, before_each):
                 with self.context.loss_and_positions():
-                    loss += to_local(self.forward_backward(inputs, labels, global_tokens))
+                    loss += to_local(self.forward_backward(inputs, labels, global_tokens, window))
         return loss
 
     def accumulation(self, microbatches: int) -> contextlib.AbstractContextManager:
@@ -146,6 +161,10 @@ class _Runner:
     def sum_over_stages(self, value: torch.Tensor) -> torch.Tensor:
         """Identity without pipeline parallel (see :class:`PipelineRunner`)."""
         return value
+
+    def uncounted_parameters(self) -> list[torch.Tensor]:
+        """Parameters to clip but leave out of the gradient norm: none without pipeline parallel."""
+        return []
 
     def post_optimizer_step(self) -> dict[str, float]:
         """Let model parts update state the optimizer does not own (e.g. MoE load-balancing biases).
@@ -199,17 +218,20 @@ class SingleRunner(_Runner):
             return super().accumulation(microbatches)
         return sync_on_last_microbatch(self.model_parts[0], microbatches)
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor) -> torch.Tensor:
-        """One microbatch: LongTensor[B, S] inputs/labels -> its loss contribution (detached)."""
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor,
+                         window: dict | None = None) -> torch.Tensor:
+        """One microbatch: LongTensor[B, S] inputs/labels (and :meth:`StepContext.shard`'s window
+        inputs) -> its loss contribution (detached)."""
         inputs, kwargs = self.context.model_inputs(inputs)
         with self.context.autocast():
-            loss = model_loss(self.model_parts[0], inputs, labels, global_tokens,
-                              chunk_tokens=self.context.loss_chunk_tokens, z_loss=self.context.z_loss, **kwargs)
+            loss = model_loss(self.model_parts[0], inputs, labels, global_tokens, chunk_tokens=self.context.loss_chunk_tokens,
+                              z_loss=self.context.z_loss, **kwargs, **(window or {}))
         loss.backward()
         return loss.detach()
 
-    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(token-sum loss in fp64, label tokens) of one batch, forward only."""
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, window: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token-sum loss in fp64, label tokens) of one batch, forward only (the window inputs of
+        training objectives are not needed)."""
         inputs, kwargs = self.context.model_inputs(inputs)
         with self.context.autocast(), self.context.loss_and_positions():
             loss = to_local(model_loss(self.model_parts[0], inputs, labels,
@@ -255,10 +277,11 @@ class PipelineRunner(_Runner):
 
     def __init__(self, plan: PipelinePlan, model_parts: list[nn.Module], pp_mesh, context: StepContext):
         super().__init__(model_parts, context)
-        # With the fused loss the last stage returns the token sum itself, given the labels as a
-        # model keyword (torch's schedules split keyword tensors into microbatches like the inputs).
-        loss_fn = fused_stage_loss if context.loss_chunk_tokens > 0 else functools.partial(token_sum_loss,
-                                                                                             z_loss=context.z_loss)
+        # With the fused loss, or an objective that needs the labels (``needs_labels``), the last stage
+        # returns the token sum itself, given the labels as a model keyword (torch's schedules split
+        # keyword tensors into microbatches like the inputs).
+        self.stage_takes_labels = context.loss_chunk_tokens > 0 or bool(context.window_parts)
+        loss_fn = fused_stage_loss if self.stage_takes_labels else functools.partial(token_sum_loss, z_loss=context.z_loss)
         self.stage_loss = _StageLoss(loss_fn)
         self.schedule, stages = build_pipeline_schedule(plan, model_parts, pp_mesh, context.device, self.stage_loss)
         self.plan, self.pp_size = plan, pp_mesh.size()
@@ -270,14 +293,22 @@ class PipelineRunner(_Runner):
     def step(self, microbatches, global_tokens):
         """As :meth:`_Runner.step`; also times the stages for :meth:`bubble_fraction`."""
         self.timer.reset()
-        return super().step(microbatches, global_tokens)
+        loss = super().step(microbatches, global_tokens)
+        sum_tied_gradients(self.model_parts, self.plan, self.pp_group)  # the embedding's copy beside the head
+        return loss
+
+    def uncounted_parameters(self) -> list[torch.Tensor]:
+        """Copies of another stage's parameter (parallelisms/pipeline_tied.py): clipped, not counted in the norm."""
+        return tied_copies(self.model_parts)
 
     def bubble_fraction(self, compute_seconds: float) -> float:
         """Share of the last step's forward/backward time this rank spent idle (waiting on stages)."""
         return max(0.0, 1.0 - self.timer.busy_seconds() / compute_seconds)
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor) -> torch.Tensor:
-        """One schedule step over a [local_batch_size, S] batch cut into the plan's microbatches.
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor,
+                         window: dict | None = None) -> torch.Tensor:
+        """One schedule step over a [local_batch_size, S] batch cut into the plan's microbatches
+        (``window``: :meth:`StepContext.shard`'s window inputs, given to every local stage).
 
         Returns:
             The batch's loss contribution (token sum / global_tokens) on the last stage, 0 elsewhere.
@@ -293,6 +324,7 @@ class PipelineRunner(_Runner):
                 return_outputs=False,
                 loss_kwargs={"global_tokens": global_tokens},
                 **kwargs,
+                **(window or {}),
                 **self._model_kwargs(labels),
             )
         if losses:
@@ -300,9 +332,9 @@ class PipelineRunner(_Runner):
         return torch.zeros((), device=self.context.device)
 
     @torch.no_grad()
-    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, window: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward only (``schedule.eval``): (token-sum loss, label tokens) on the last stage, zeros
-        elsewhere (:meth:`sum_over_stages` shares them)."""
+        elsewhere (:meth:`sum_over_stages` shares them); ``window`` is not needed."""
         losses: list[torch.Tensor] = []
         inputs, kwargs = self.context.model_inputs(inputs)
         args = (inputs,) if self.has_first else ()
@@ -335,9 +367,9 @@ class PipelineRunner(_Runner):
         return torch.cat(rows)
 
     def _model_kwargs(self, labels: torch.Tensor) -> dict:
-        """Keywords of every stage's forward: the labels and chunk size of the fused loss (stages
-        without the output head ignore them), or none for the unfused loss."""
-        if self.context.loss_chunk_tokens <= 0:
+        """Keywords of every stage's forward: the labels and chunk size of the fused loss or of an
+        objective that needs the labels (stages without the output head ignore them), else none."""
+        if not self.stage_takes_labels:
             return {}
         return {"labels": labels, "loss_chunk_tokens": self.context.loss_chunk_tokens}
 

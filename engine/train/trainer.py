@@ -240,7 +240,7 @@ class Trainer:
             batches = [self.dataloader.next_batch() for _ in range(self.grad_accum_steps)]
             self.recorder.begin(self.step + 1, batches)  # [record] step only (engine/observe/record.py)
             microbatches = [self.runner.context.shard(*batch) for batch in batches]
-        local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches)
+        local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels, _ in microbatches)
         global_tokens = self._dp_sum(torch.tensor(float(local_tokens), device=self.device))
         with timer.phase("forward_backward"):
             loss = self.runner.step(microbatches, global_tokens)
@@ -249,7 +249,8 @@ class Trainer:
             params = [p for part in self.model_parts for p in part.parameters()]
             if self.ft is not None:
                 self.ft.sum_gradients(params)
-            grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_group=self.runner.pp_group)
+            grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_group=self.runner.pp_group,
+                                        uncounted=self.runner.uncounted_parameters())
             lr = self.lr_scheduler.get_last_lr()[0]
             # The step's one read of loss and grad norm (every rank holds the reduced values), before the
             # update so that engine/train/step_health.py can withhold it; z-loss only when it is on.

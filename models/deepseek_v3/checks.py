@@ -26,18 +26,10 @@ def validate_deepseek_v3_parallelism(
     Raises:
         ExpertParallelError (a ValueError): ``num_experts`` not divisible by ``ep``; ``compile.enable``
             (routing has data-dependent sizes that break a whole-block graph).
-        ValueError: multi-token prediction (``num_nextn_predict_layers`` > 0) with pp, cp or tp > 1.
         TensorParallelError (a ValueError): n_heads, dim, the dense or shared-expert width or the
             vocabulary not divisible by tp, and the other tensor-parallel rules of parallelisms/checks.py.
     """
     validate_expert_parallel(parallelism_cfg.ep, model_args.num_experts)
-    for name in ("pp", "cp", "tp"):
-        degree = getattr(parallelism_cfg, name)
-        if model_args.num_nextn_predict_layers > 0 and degree > 1:
-            raise ValueError(
-                f"parallelism.{name} = {degree} with num_nextn_predict_layers = {model_args.num_nextn_predict_layers}: "
-                "multi-token prediction runs without pipeline, context and tensor parallel so far; use a "
-                "flavor without MTP or parallelism.{name} = 1".replace("{name}", name))
     if compile_enabled:
         raise ExpertParallelError(
             "compile.enable = true is not supported for model.name = \"deepseek_v3\" yet: blocks are compiled "

@@ -35,6 +35,11 @@ from models.moe.model import MoETransformer, MoETransformerBlock
 
 __all__ = ["DeepseekV3Transformer", "MLAttention", "RopeKey", "GroupLimitedRouter", "DeepseekV3MoE"]
 
+def _local(value: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local value (the vocab-parallel loss is a Replicate DTensor under tensor parallel)."""
+    return value.to_local() if hasattr(value, "to_local") else value
+
+
 _LATENT_NORM_EPS = 1e-6  # the latent RMSNorms' eps in DeepSeek's code and transformers, whatever rms_norm_eps
 
 
@@ -187,6 +192,7 @@ class DeepseekV3Transformer(MoETransformer):
     """
 
     block_cls = DeepseekV3Block
+    head_modules = ("mtp",)  # a pipeline split keeps them on the last stage, with a copy of the embedding
 
     def __init__(self, model_args: DeepseekV3ModelArgs):
         super().__init__(model_args)
@@ -195,36 +201,83 @@ class DeepseekV3Transformer(MoETransformer):
         self.mtp = nn.ModuleDict({str(k): MTPModule(model_args.n_layers + k, model_args, self.block_cls)
                                   for k in range(depths)}) if depths else None
         self.mtp_weight = 0.0
-        self.needs_labels = depths > 0
         # Per depth: Σ token cross entropy and target count of the step's microbatches (detached).
         self.register_buffer("mtp_stats", torch.zeros(2, max(depths, 1), dtype=torch.float64), persistent=False)
 
+    @property
+    def needs_labels(self) -> bool:
+        """This part's objective needs the labels beyond the next token (it holds MTP modules)."""
+        return self.mtp is not None
+
+    @property
+    def head_reads_embeddings(self) -> bool:
+        """The MTP modules embed tokens t+k beside the output head (parallelisms/pipeline.py)."""
+        return self.mtp is not None
+
+    def window_inputs(self, tokens: torch.Tensor, labels: torch.Tensor,
+                      documents: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The MTP inputs of whole windows, before any context-parallel split (a shift along the
+        sequence must see the neighbouring ranks' tokens): ``mtp_tokens`` [B, S, D] (token t+k at
+        position t, depth k = 1..D) and ``mtp_labels`` [B, S, D] (``mtp_targets``); {} without MTP.
+
+        Args:
+            tokens, labels: LongTensor [B, S] of whole windows; documents: int [B, S] document ids
+                (``[document_mask] enable``) or None.
+        """
+        if self.mtp is None:
+            return {}
+        depths = range(1, len(self.mtp) + 1)
+        return {"mtp_tokens": torch.stack([tokens.roll(-k, dims=1) for k in depths], dim=-1),
+                "mtp_labels": torch.stack([mtp_targets(labels, k, documents) for k in depths], dim=-1)}
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 documents: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                loss_chunk_tokens: int = 256) -> torch.Tensor:
+                loss_chunk_tokens: int = 256, mtp_tokens: torch.Tensor | None = None,
+                mtp_labels: torch.Tensor | None = None) -> torch.Tensor:
         """``Transformer.forward``; with MTP modules, in training, given labels: the main token sum
-        plus ``mtp_weight`` · (1/D) Σ_k (depth k's token sum), fp32 0-dim (arXiv 2412.19437 eq. 25)."""
+        plus ``mtp_weight`` · (1/D) Σ_k (depth k's token sum), fp32 0-dim (arXiv 2412.19437 eq. 25).
+
+        ``mtp_tokens`` / ``mtp_labels`` [B, S_local, D]: :meth:`window_inputs` of the whole windows,
+        cut like the tokens (context parallel); None: computed here from ``tokens`` / ``labels``,
+        which must then be whole windows of token ids. A part without MTP modules ignores them.
+
+        Raises:
+            ValueError: MTP on a part whose input is a hidden state (a pipeline stage) without ``mtp_tokens``.
+        """
         if self.mtp is None or labels is None:
             return super().forward(tokens, positions, documents, labels, loss_chunk_tokens)
         h, (cos, sin, extra) = self.trunk(tokens, positions, documents)
-        main = token_sum_cross_entropy(self.norm(h), self.output.weight, labels, loss_chunk_tokens)
+        main = self._token_sum(self.norm(h), labels, loss_chunk_tokens)
         if not self.training:
             return main
-        mtp_sum = self._mtp_token_sum(h, tokens, labels, documents, (cos, sin, extra), loss_chunk_tokens)
+        if mtp_tokens is None:
+            if tokens.is_floating_point():
+                raise ValueError("multi-token prediction on a pipeline stage needs mtp_tokens / mtp_labels "
+                                 "(DeepseekV3Transformer.window_inputs of the whole windows)")
+            window = self.window_inputs(tokens, labels, documents)
+            mtp_tokens, mtp_labels = window["mtp_tokens"], window["mtp_labels"]
+        mtp_sum = self._mtp_token_sum(h, mtp_tokens, mtp_labels, (cos, sin, extra), loss_chunk_tokens)
         return main + self.mtp_weight * mtp_sum
 
-    def _mtp_token_sum(self, h, tokens, labels, documents, block_inputs, chunk_tokens: int) -> torch.Tensor:
+    def _token_sum(self, h: torch.Tensor, targets: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+        """Σ cross entropy of the shared head on normed ``h`` (``token_sum_cross_entropy``). Under
+        tensor parallel the head is vocab-sharded: the fused loss is Megatron's vocab-parallel one
+        (models/linear_cross_entropy.py); the unfused loss takes vocab-sharded logits inside the
+        runner's ``loss_parallel()`` and returns a Replicate DTensor."""
+        return token_sum_cross_entropy(h, self.output.weight, targets, chunk_tokens)
+
+    def _mtp_token_sum(self, h, mtp_tokens, mtp_labels, block_inputs, chunk_tokens: int) -> torch.Tensor:
         """(1/D) Σ_k depth k's token-sum cross entropy (models/deepseek_v3/mtp.py); adds each depth's
         sum and target count to ``mtp_stats``."""
         cos, sin, extra = block_inputs
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
-        for k, module in enumerate(self.mtp.values(), start=1):
-            h = module(h, self.tok_embeddings(tokens.roll(-k, dims=1)), cos, sin, extra)
-            targets = mtp_targets(labels, k, documents)
-            depth_sum = token_sum_cross_entropy(module.norm(h), self.output.weight, targets, chunk_tokens)
+        total = torch.zeros((), dtype=torch.float32, device=mtp_labels.device)
+        for k, module in enumerate(self.mtp.values()):
+            h = module(h, self.tok_embeddings(mtp_tokens[..., k]), cos, sin, extra)
+            targets = mtp_labels[..., k]
+            depth_sum = self._token_sum(module.norm(h), targets, chunk_tokens)
             with torch.no_grad():
-                self.mtp_stats[0, k - 1] += depth_sum.detach().double()
-                self.mtp_stats[1, k - 1] += (targets != -100).sum().double()
+                self.mtp_stats[0, k] += _local(depth_sum).detach().double()
+                self.mtp_stats[1, k] += (targets != -100).sum().double()
             total = total + depth_sum
         return total / len(self.mtp)
 
@@ -234,7 +287,9 @@ class DeepseekV3Transformer(MoETransformer):
         ``mtp_loss``: Σ over the step's tokens and ranks (``token_group``) of each depth's cross
         entropy over its targets, averaged over depths ("sum" over model parts)."""
         metrics = super().post_optimizer_step()
-        if self.mtp is None:
+        if self.mtp is None:  # a pipeline stage before the MTP modules reports nothing to their sum
+            if self.model_args.num_nextn_predict_layers:
+                metrics["mtp_loss"] = (torch.zeros((), dtype=torch.float64, device=self.mtp_stats.device), "sum")
             return metrics
         stats = self.mtp_stats.clone()
         if self.token_group is not None:

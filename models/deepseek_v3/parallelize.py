@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
+                                               SequenceParallel)
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from models.llama.parallelize import block_tp_plan, outer_tp_plan
@@ -80,12 +81,33 @@ def deepseek_v3_tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_paral
     # tensor per optimizer group): qk_norm=True gives LLaMA's norms that placement without SP.
     pairs.append((model, outer_tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
                                        replicate_norm=True)))
-    for block in model.layers.values():
+    mtp = list(model.mtp.values()) if getattr(model, "mtp", None) is not None else []
+    for block in [*model.layers.values(), *(module.block for module in mtp)]:
         plan = {name: style for name, style in block_tp_plan(sequence_parallel, qk_norm=True).items()
                 if not name.startswith("attention.") and name != "attention"}
         if block.is_moe:
             plan = {name: style for name, style in plan.items() if not name.startswith("feed_forward")}
         pairs.append((block, {**plan, **_attention_plan(block.attention, sequence_parallel)}))
+    for module in mtp:
+        pairs += _mtp_plan(module, sequence_parallel)
+    return pairs
+
+
+def _mtp_plan(module: nn.Module, sequence_parallel: bool) -> TensorParallelPlan:
+    """One multi-token-prediction depth (models/deepseek_v3/mtp.py) beside its block's plan: its two
+    inputs (previous hidden state, embedding of token t+k; sequence shards under SP) are gathered
+    whole, ``enorm``, ``hnorm`` and ``eh_proj`` run replicated on them (equal gradients on every tp
+    rank, as the latents'), and ``eh_proj``'s output is cut back to this rank's sequence shard for
+    the block; ``norm`` (before the shared head) is the final norm's style."""
+    stream = Shard(1) if sequence_parallel else Replicate()
+    pairs = [(module, PrepareModuleInput(input_layouts=(stream, stream, None, None, None),
+                                         desired_input_layouts=(Replicate(), Replicate(), None, None, None),
+                                         use_local_output=True)),
+             (module, {"enorm": ReplicateOnTP(), "hnorm": ReplicateOnTP(), "eh_proj": ReplicateOnTP(),
+                       "norm": SequenceParallel() if sequence_parallel else ReplicateOnTP()})]
+    if sequence_parallel:
+        pairs.append((module.eh_proj, PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=stream,
+                                                          use_local_output=True)))
     return pairs
 
 

@@ -39,7 +39,9 @@ def _mla(args, layer: int, p: str) -> list[ParamSpec]:
 def deepseek_v3_param_shapes(args) -> list[ParamSpec]:
     """``ModelSpec.param_shapes`` of DeepSeek-V3 (``DeepseekV3ModelArgs``), in module order."""
     dim = args.dim
-    params = [ParamSpec("tok_embeddings.weight", (args.vocab_size, dim), None, tp_dim=0)]
+    # Multi-token prediction embeds tokens beside the head: a pipeline's last stage holds a copy.
+    params = [ParamSpec("tok_embeddings.weight", (args.vocab_size, dim), None, tp_dim=0,
+                        on_last_stage=args.num_nextn_predict_layers > 0)]
     for layer in range(args.n_layers):
         p = f"layers.{layer}."
         params += _mla(args, layer, p) + _moe_feed_forward(args, layer, p)

@@ -184,6 +184,14 @@ class Transformer(nn.Module):
 
     # Model families that change only the block (e.g. models/moe) override this.
     block_cls = TransformerBlock
+    # False on a pipeline stage after the first: its input is the previous stage's hidden state even
+    # when it holds ``tok_embeddings`` (a copy for its output head's use, parallelisms/pipeline.py).
+    embeds_tokens = True
+    # Modules beside the output head that a pipeline split keeps on the last stage only (e.g.
+    # DeepSeek-V3's multi-token prediction), and whether they read ``tok_embeddings``.
+    head_modules: tuple[str, ...] = ()
+    head_reads_embeddings = False
+    shares_embeddings = False  # a pipeline stage whose tok_embeddings another stage also holds
 
     def __init__(self, model_args: LlamaModelArgs):
         super().__init__()
@@ -246,7 +254,8 @@ class Transformer(nn.Module):
         Raises:
             ValueError: as :meth:`forward`.
         """
-        if self.tok_embeddings is not None:
+        embeds = self.tok_embeddings is not None and self.embeds_tokens
+        if embeds:
             if tokens.dim() != 2 or tokens.is_floating_point():
                 raise ValueError(
                     f"this model part embeds tokens: expected integer token ids [B, S], got "
@@ -262,7 +271,7 @@ class Transformer(nn.Module):
             h = tokens
         # tokens.shape[1] is the full S for token ids; a hidden state from an earlier pipeline stage
         # may already be a sequence-parallel shard of it.
-        cos, sin = self._rope_tables(tokens.shape[1], positions, exact=self.tok_embeddings is not None)
+        cos, sin = self._rope_tables(tokens.shape[1], positions, exact=embeds)
         extra = {} if documents is None else {"documents": attention_inputs(documents, self.layers.values())}
         for layer in self.layers.values():
             h = layer(h, cos, sin, **extra)

@@ -155,7 +155,7 @@ def engine_vs_bare_loop(argv: list[str], rounds: int, steps: int, warmup: int) -
 
         # Clipping alone, on the engine model's gradients: ours vs torch's (one process).
         tparams = [p for p in trainer.model_parts[0].parameters()]
-        trainer.runner.step([trainer.dataloader.next_batch()], torch.tensor(float(labels.numel())))
+        trainer.runner.step([trainer.runner.context.shard(*trainer.dataloader.next_batch())], torch.tensor(float(labels.numel())))
         ours, torchs = [], []
         for r in range(rounds * steps * 4):
             for fn, sink in ((lambda: clip_grad_norm_(tparams, 1e9), ours),
@@ -238,11 +238,11 @@ def held_between_microbatches(argv: list[str]) -> dict:
         for mode in ("each", "last"):
             trainer.runner.sync_each_microbatch = mode == "each"
             batches = [trainer.runner.context.shard(*trainer.dataloader.next_batch()) for _ in range(2)]
-            tokens = trainer._dp_sum(torch.tensor(float(sum(labels.numel() for _, labels in batches))))
+            tokens = trainer._dp_sum(torch.tensor(float(sum(labels.numel() for _, labels, _ in batches))))
             with trainer.runner.accumulation(2) as before_each:
-                for index, (inputs, labels) in enumerate(batches):
+                for index, (inputs, labels, window) in enumerate(batches):
                     next(before_each)
-                    trainer.runner.forward_backward(inputs, labels, tokens)
+                    trainer.runner.forward_backward(inputs, labels, tokens, window)
                     if index == 0:
                         out[mode] = _held_unsharded_bytes(model)
             trainer.optimizer.zero_grad(set_to_none=True)
