@@ -77,7 +77,7 @@ def test_fault_free_groups_train_like_one_process(reference, tmp_path):
 def test_a_killed_group_heals_from_the_live_one_which_never_stops(corpus, tmp_path):
     """2 groups of 1 rank, 12 steps; group 1's rank SIGKILLed at the start of step 4 (MAX_RESTARTS=1
     restarts that group alone). Group 0 ends in one attempt with every step 1-12: from step 4 alone
-    until group 1, restarted, heals from it at step K (at the latest K = 7: at step 8 group 0 waits for
+    until group 1, restarted, heals from it at step K (3 <= K <= 7: at step 8 group 0 waits for
     every group, the test hook "rejoin", since a restart here may take longer than its steps); from
     step K + 1 both groups step together, and they end with the same state (model, optimizer, data
     position, schedule, step), bitwise."""
@@ -93,7 +93,9 @@ def test_a_killed_group_heals_from_the_live_one_which_never_stops(corpus, tmp_pa
     heal = [int(line.rsplit(" ", 1)[1]) for line in out.splitlines() if "healed from a live peer at step" in line]
     alone = [step for step, n in replicas.items() if n == 1]
     print("group 1 healed at step", heal, "; steps with one group:", alone)
-    assert len(heal) == 1 and 4 <= heal[0] <= 7 and alone == list(range(4, heal[0] + 1)), (heal, replicas, out[-3000:])
+    # K = 3: the restart came back within the lighthouse's 5 s heartbeat timeout, while group 0 still
+    # waited in step 4's quorum for the dead group, so no step was taken alone (seen on a quiet machine).
+    assert len(heal) == 1 and 3 <= heal[0] <= 7 and alone == list(range(4, heal[0] + 1)), (heal, replicas, out[-3000:])
     assert [a["end"] for a in _train_records(live, "attempt")] == ["completed"]
     rejoined = [r for r in _train_records(healed) if r["step"] > 3]
     assert [r["step"] for r in rejoined] == list(range(heal[0] + 1, 13)), (rejoined, out[-3000:])
