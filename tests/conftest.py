@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 
@@ -16,7 +17,74 @@ except ImportError:  # pragma: no cover - only where datasets is not installed
 import engine.train.trainer  # noqa: F401,E402
 
 from tests.dist_utils import run_distributed
-from tests.training_utils import MAX_NORM, base_args, clipping_sides, train_and_record
+from tests.training_utils import MAX_NORM, REPO, SMALL_CORPUS, base_args, clipping_sides, train_and_record
+
+
+class _TextBatches:
+    """What engine/data/loader.py's ``iter_text_batches`` returns under :func:`_share_packed_corpora`:
+    the same batches, and the dataset and column they come from (the key of the packed stream)."""
+
+    def __init__(self, real, ds, column: str, batch_size: int, **kwargs):
+        self.real, self.ds, self.column, self.batch_size, self.kwargs = real, ds, column, batch_size, kwargs
+
+    def __iter__(self):
+        return iter(self.real(self.ds, self.column, batch_size=self.batch_size, **self.kwargs))
+
+
+def _share_packed_corpora() -> None:
+    """Read and tokenize each local corpus file once per test process, not once per training run.
+
+    Most tests train many runs (layouts, ranks, resumes) on the same small file with the same
+    tokenizer; engine/data/loader.py reads it with ``load_documents`` (datasets) and tokenizes it
+    with ``pack_documents`` each time: a quarter of a forked two-rank run's time. Both are pure
+    functions of the file's bytes, the text column and the tokenizer file, so their results are kept
+    here, keyed by those (path, size and modification time of both files): a file that a test
+    rewrites or damages is read again. Every window, shuffle and dp split is still computed per run.
+    The cache fills in this pytest process and every forked rank inherits it; a corpus first seen
+    inside a rank is cached in that rank only. ``QUADRA_TEST_READ_EVERY_RUN=1`` turns it off.
+    """
+    if os.environ.get("QUADRA_TEST_READ_EVERY_RUN") == "1" or importlib.util.find_spec("datasets") is None:
+        return  # (the GPU machine has no `datasets`; its tests read no corpus)
+    import engine.data.loader as loader
+
+    real_load, real_iter, real_pack = loader.load_documents, loader.iter_text_batches, loader.pack_documents
+    loaded: dict = {}
+    packed: dict = {}
+
+    def stamp(path: str) -> tuple:
+        st = os.stat(path)
+        return os.path.realpath(path), st.st_size, st.st_mtime_ns
+
+    def load_documents(path, **kwargs):
+        if kwargs.get("streaming") or not os.path.isfile(path):
+            return real_load(path, **kwargs)
+        # A local file is one split whatever `split` says; the setting names only go into errors.
+        key = (stamp(path), kwargs.get("text_column", "text"))
+        if key not in loaded:
+            loaded[key] = real_load(path, **kwargs)
+        return loaded[key]
+
+    def iter_text_batches(ds, column, batch_size=256, **kwargs):
+        return _TextBatches(real_iter, ds, column, batch_size, **kwargs)
+
+    def pack_documents(text_batches, tokenizer):
+        ds = getattr(text_batches, "ds", None)
+        if not any(ds is value for value in loaded.values()) or not os.path.isfile(tokenizer.path):
+            return real_pack(text_batches, tokenizer)
+        key = (id(ds), text_batches.column, stamp(tokenizer.path))
+        if key not in packed:
+            packed[key] = real_pack(text_batches, tokenizer)
+        return packed[key]
+
+    loader.load_documents, loader.iter_text_batches, loader.pack_documents = load_documents, iter_text_batches, pack_documents
+    # The suite's corpus and tokenizer, read here so that every forked rank starts with them.
+    from engine.data.tokenizer import Tokenizer
+
+    corpus = load_documents(SMALL_CORPUS, text_column="text")
+    pack_documents(iter_text_batches(corpus, "text"), Tokenizer(os.path.join(REPO, "assets", "tokenizer", "shakespeare.model")))
+
+
+_share_packed_corpora()
 
 
 TEST_TIMEOUT_S = float(os.environ.get("QUADRA_TEST_TIMEOUT", "900"))
