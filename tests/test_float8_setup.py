@@ -106,6 +106,40 @@ def test_planner_float8_all_gather_bytes_and_peak():
     assert on.mfu == pytest.approx(off.mfu * off.step_time_s / on.step_time_s * ratio, rel=1e-9)
 
 
+def test_logged_mfu_divides_by_the_peak_the_planner_uses(tmp_path, caplog):
+    """The trainer's MFU (engine/observe/metrics.py) with float8 on divides by the GPU's float8 peak, the
+    planner's rule (``GPU.mfu_peak_flops``); a GPU without float8 matmuls, float8 off, or
+    metrics.peak_tflops keep their peak; the first log line says which peak it is."""
+    import logging
+
+    from engine.observe.flops import compute_mfu, get_peak_flops
+    from engine.observe.hardware import get_gpu
+    from engine.observe.metrics import MetricsLogger
+
+    h100, a100 = "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"
+    assert get_peak_flops("cuda", h100, 0.0, float8=True) == get_gpu("H100-80GB").float8_peak_flops == 1979e12
+    assert get_peak_flops("cuda", h100, 0.0) == get_gpu("H100-80GB").peak_flops == 989e12
+    assert get_peak_flops("cuda", a100, 0.0, float8=True) == get_peak_flops("cuda", a100, 0.0) == 312e12
+    assert get_peak_flops("cuda", h100, 500.0, float8=True) == 500e12  # the user's number wins
+    assert get_peak_flops("cpu", None, 0.0, float8=True) is None
+    # Planner and trainer: the same MFU for the same achieved FLOP/s.
+    gpu = get_gpu("H100-80GB")
+    achieved = 3e14  # FLOP/s per device
+    assert compute_mfu(achieved, 1.0, get_peak_flops("cuda", h100, 0.0, float8=True)) == \
+        pytest.approx(100 * achieved / gpu.mfu_peak_flops(True), rel=1e-12)
+
+    cfg = _cfg().metrics
+    with caplog.at_level(logging.INFO, logger="quadra"):
+        logger = MetricsLogger(cfg, str(tmp_path), rank=0, is_logging_rank=True, flops_per_token=1.0,
+                               training_steps=1, device="cpu", float8=True)
+    assert logger.peak_flops is None and "MFU against" not in caplog.text  # CPU: n/a
+    cfg.peak_tflops = 123.0
+    with caplog.at_level(logging.INFO, logger="quadra"):
+        logger = MetricsLogger(cfg, str(tmp_path), rank=0, is_logging_rank=True, flops_per_token=1.0,
+                               training_steps=1, device="cpu", float8=True)
+    assert logger.peak_flops == 123e12 and "MFU against 123.0 TFLOPS per device (metrics.peak_tflops)" in caplog.text
+
+
 def test_float8_tp_styles_replace_the_familys_on_float8_linears():
     """parallelisms/float8.py ``float8_tp_plan`` (used where the backend all-gathers float8, i.e. on
     CUDA): each Colwise/RowwiseParallel of a Float8Linear becomes torchao's float8 style with the same

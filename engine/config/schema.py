@@ -263,7 +263,8 @@ class MetricsSection:
     log_freq: int = _opt(10, "log metrics every N steps")
     enable_tensorboard: bool = _opt(True, "write TensorBoard event files")
     save_tb_folder: str = _opt("tb", "TensorBoard folder, relative to the run folder")
-    peak_tflops: float = _opt(0.0, "0: look up the GPU in a table; on CPU MFU prints n/a")
+    peak_tflops: float = _opt(0.0, "the peak MFU divides by; 0: look up the GPU in a table (its float8 peak with "
+                                    "[float8] on); on CPU MFU prints n/a")
     log_all_ranks: bool = _opt(False, "print step and info lines on every rank, not only rank 0 (files: rank 0)")
     time_attribution: bool = _opt(True, "on logged steps, split the step time into data, compute, exposed "
                                         "communication per mesh dim, bubble and optimizer (time_*_s keys)")

@@ -28,9 +28,12 @@ def lookup_peak_tflops(device_name: str) -> float | None:
 
 
 def get_peak_flops(
-    device_type: str, device_name: str | None, override_tflops: float, *, warn_unknown: bool = True
+    device_type: str, device_name: str | None, override_tflops: float, *, warn_unknown: bool = True,
+    float8: bool = False,
 ) -> float | None:
-    """Peak dense bf16 FLOPS (FLOP/s, not TFLOPS) of one device, or None when unknown.
+    """Peak dense FLOPS (FLOP/s, not TFLOPS) of one device that MFU divides by, or None when unknown:
+    bf16's, or with ``float8`` (``[float8] enable``) the float8 (e4m3) peak of a GPU that has one
+    (``GPU.mfu_peak_flops``, engine/observe/hardware.py).
 
     Args:
         device_type: torch device type of the training device ("cuda", "cpu", ...).
@@ -38,6 +41,7 @@ def get_peak_flops(
             (only for device_type "cuda").
         override_tflops: ``metrics.peak_tflops``; > 0 wins over the table on any device (also CPU),
             0 means look it up.
+        float8: the float8 peak where the table has one (a GPU without float8 matmuls: bf16's).
         warn_unknown: log a warning for a GPU missing from the table (off on non-logging ranks).
 
     Returns:
@@ -58,8 +62,8 @@ def get_peak_flops(
         return None
     if device_name is None:
         device_name = torch.cuda.get_device_name()
-    tflops = lookup_peak_tflops(device_name)
-    if tflops is None:
+    gpu = lookup_gpu(device_name)
+    if gpu is None:
         if warn_unknown:
             logger.warning(
                 "peak FLOPS of %r unknown: MFU will print n/a; set metrics.peak_tflops to the "
@@ -67,7 +71,7 @@ def get_peak_flops(
                 device_name,
             )
         return None
-    return tflops * 1e12
+    return gpu.mfu_peak_flops(float8)
 
 
 def compute_tflops(flops_per_token: float, tokens_per_second_per_device: float) -> float:

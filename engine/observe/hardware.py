@@ -57,6 +57,13 @@ class GPU:
         """``memory_bytes`` less the :data:`HEADROOM` share: what a layout may plan on, bytes."""
         return usable(self.memory_bytes)
 
+    def mfu_peak_flops(self, float8: bool) -> float:
+        """The peak MFU divides by, FLOP/s: the float8 peak when ``[float8]`` is on and this GPU has
+        float8 matmuls (the ceiling a step with float8 linears could reach: TorchTitan and the
+        planner report float8 runs against it), else the bf16 peak. The planner
+        (engine/planner/estimate.py) and the trainer's logged MFU (engine/observe/flops.py) both use it."""
+        return self.float8_peak_flops if float8 and self.float8_peak_flops else self.peak_flops
+
     @property
     def plannable(self) -> bool:
         """Whether memory and both bandwidths are known (the planner needs them)."""

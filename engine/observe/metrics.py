@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from engine.observe.flops import compute_mfu, compute_tflops, get_peak_flops
+from engine.observe.hardware import lookup_gpu
 from engine.observe.sinks import WandbSink, drop_records_from
 
 logger = logging.getLogger("quadra")
@@ -144,6 +145,8 @@ class MetricsLogger:
         device: the training device; selects the memory statistics and the peak-FLOPS lookup.
         devices_per_dp_rank: devices that process the same tokens of one data-parallel rank
             (cp * tp * pp); tokens/s/device = tokens of this rank / seconds / this number.
+        float8: ``[float8] enable``: MFU against the GPU's float8 peak where it has one
+            (engine/observe/hardware.py ``GPU.mfu_peak_flops``, as the planner).
 
     Steps trained again: when the first record this logger writes is for step N, the records of
     steps N and later that an earlier launch of the folder left (it stopped after its last
@@ -160,6 +163,7 @@ class MetricsLogger:
     def __init__(
         self, cfg, run_folder: str, *, rank: int, is_logging_rank: bool, flops_per_token: float,
         training_steps: int, device: torch.device | str = "cpu", devices_per_dp_rank: int = 1,
+        float8: bool = False,
     ) -> None:
         if cfg.log_freq <= 0:
             raise ValueError(f"metrics.log_freq={cfg.log_freq} must be > 0 (log every N steps)")
@@ -175,10 +179,12 @@ class MetricsLogger:
         # Every rank computes it (so records agree), only the logging rank warns about it.
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         self.peak_flops = get_peak_flops(
-            self.device.type, device_name, cfg.peak_tflops, warn_unknown=is_logging_rank
+            self.device.type, device_name, cfg.peak_tflops, warn_unknown=is_logging_rank, float8=float8
         )
         if is_logging_rank and self.peak_flops is not None:
-            logger.info("peak bf16 FLOPS per device for MFU: %.1f TFLOPS", self.peak_flops / 1e12)
+            what = "metrics.peak_tflops" if cfg.peak_tflops > 0 else (  # else a GPU of the table
+                f"{'float8' if float8 and lookup_gpu(device_name).float8_peak_flops else 'bf16'} peak of {device_name}")
+            logger.info("MFU against %.1f TFLOPS per device (%s)", self.peak_flops / 1e12, what)
         self._reset_interval()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -110,7 +110,7 @@ def estimate(layout, gpu, gpus_per_node: int, efficiency: float = DEFAULT_EFFICI
         else:
             exposed += v["wire"] / link
     step = compute / (1 - bubble) + exposed + max(0.0, overlapped - compute)
-    peak = gpu.float8_peak_flops if f8_flops else gpu.peak_flops  # float8 on: against the float8 peak
-    mfu = flops / (step * layout.world_size * peak)
+    # float8 on: against the float8 peak, as the trainer's logged MFU (engine/observe/hardware.py)
+    mfu = flops / (step * layout.world_size * gpu.mfu_peak_flops(layout.cfg.float8.enable))
     return LayoutEstimate(layout, memory, comm, bubble, step, compute, mfu,
                           memory.total <= gpu.usable_bytes, gpu.memory_bytes)

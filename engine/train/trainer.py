@@ -212,7 +212,7 @@ class Trainer:
             self.cfg.metrics, self.run_folder, rank=self.dist.rank, is_logging_rank=self.dist.rank == 0,
             device=self.device, flops_per_token=self.flops_per_token, training_steps=self.cfg.training.steps,
             # The devices that share one dp rank's samples: tokens/s per device divides by them.
-            devices_per_dp_rank=dims.cp * dims.tp * dims.pp,
+            devices_per_dp_rank=dims.cp * dims.tp * dims.pp, float8=self.cfg.float8.enable,
         )
 
     # ------------------------------------------------------------------ one step
