@@ -106,6 +106,39 @@ def test_planner_float8_all_gather_bytes_and_peak():
     assert on.mfu == pytest.approx(off.mfu * off.step_time_s / on.step_time_s * ratio, rel=1e-9)
 
 
+def test_planner_holds_float8_gathered_weights_at_one_byte():
+    """Under float8 all-gather each FSDP unit's gathered copy holds its float8 weights at 1 byte per
+    element instead of the parameter dtype's (engine/planner/float8.py): both phases of the peak shrink
+    by exactly that, in the loss phase's two gathered units and in every unit's reduction; float8
+    without all-gather leaves the planned memory as it is. (tests/test_planner_runs.py checks both
+    layouts against measured CPU runs: fsdp2 with float8 peaks exactly where it does without.)"""
+    import math
+
+    from engine.planner.float8 import is_float8_param
+    from engine.planner.layout import Layout
+    from engine.planner.memory import peak_nonstate_bytes, transient_bytes
+    from engine.planner.params import padded_numel, rank_params
+    from engine.planner.reduction import rank_units, reduction_bytes
+
+    base = ("--parallelism.dp_shard", "2", "--training.local_batch_size", "4")
+    plain = Layout.from_config(_cfg(*base), 2, "cpu")
+    f8 = Layout.from_config(_cfg(*base, "--float8.enable", "true"), 2, "cpu")
+    gathered = Layout.from_config(_cfg(*base, "--float8.enable", "true", "--float8.fsdp_all_gather", "true"), 2, "cpu")
+    assert peak_nonstate_bytes(f8) == peak_nonstate_bytes(plain) and reduction_bytes(f8) == reduction_bytes(plain)
+    pb = plain.param_bytes
+    units, units_f8 = rank_units(f8), rank_units(gathered)
+    saved = {}
+    for name, u in units.items():
+        f8_params = [p for p in rank_params(gathered) if p.unit == name and is_float8_param(gathered, p.spec)]
+        assert u.gathered - units_f8[name].gathered == sum(math.prod(p.tp_local) for p in f8_params) * (pb - 1)
+        saved[name] = sum(padded_numel(p.tp_local, p.fsdp_dim, p.fsdp_size) for p in f8_params) * (pb - 1)
+    assert saved["root"] == 0 and all(saved[n] > 0 for n in saved if n != "root")
+    # The loss phase's gathered units are the root and the last block.
+    last = max((n for n in saved if n != "root"), key=lambda n: int(n.split(".")[1]))
+    assert transient_bytes(f8) - transient_bytes(gathered) == saved[last]
+    assert reduction_bytes(gathered) < reduction_bytes(f8)
+
+
 def test_logged_mfu_divides_by_the_peak_the_planner_uses(tmp_path, caplog):
     """The trainer's MFU (engine/observe/metrics.py) with float8 on divides by the GPU's float8 peak, the
     planner's rule (``GPU.mfu_peak_flops``); a GPU without float8 matmuls, float8 off, or

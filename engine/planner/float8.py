@@ -10,6 +10,8 @@ matches and whose dims are multiples of 16.
   ``training.mixed_precision_param``'s bytes; its scale travels as all-gather metadata, and the scales
   of all float8 weights are computed in one all-reduce of one float32 amax per weight after the
   optimizer step (torchao ``precompute_float8_dynamic_scale_for_fsdp``).
+- Memory: the gathered copy of a float8 weight under float8 all-gather is 1 byte per element
+  (:func:`gathered_bytes_per_element`); state, gradients and saved activations stay high precision.
 - FLOPs: each float8 weight's 6 FLOPs per token (forward and both backward matmuls, PaLM App. B) run
   at the GPU's float8 peak (engine/observe/hardware.py); the rest at its bf16 peak.
 """
@@ -33,6 +35,17 @@ def is_float8_param(layout, spec) -> bool:
 def float8_all_gather(layout) -> bool:
     """Whether FSDP all-gathers float8 weights (float8 on with ``fsdp_all_gather``, FSDP sharding)."""
     return layout.cfg.float8.enable and layout.cfg.float8.fsdp_all_gather and layout.fsdp > 1
+
+
+def gathered_bytes_per_element(layout, spec) -> int:
+    """Bytes per element of the parameter ``spec`` as FSDP all-gathers it for compute: 1 for a float8
+    weight under float8 all-gather (torchao's ``fsdp_post_all_gather`` hands the module a float8
+    tensor, which the float8 matmul uses as is and autograd saves for backward), else
+    ``training.mixed_precision_param``'s bytes. Without float8 all-gather the gathered weight is high
+    precision and its float8 copies live inside one matmul each (torchao's ``Float8Linear`` saves the
+    high-precision input and weight for backward), below the planner's resolution: measured on CPU,
+    the peak of a float8 fsdp2 run equals the same run's without float8 (tests/test_planner_runs.py)."""
+    return FLOAT8_BYTES if float8_all_gather(layout) and is_float8_param(layout, spec) else layout.param_bytes
 
 
 def float8_flops_per_token(layout) -> float:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from engine.planner.activations import activation_bytes, block_activation_bytes  # noqa: F401  (re-exported)
 from engine.planner.activations import microbatches_in_flight, saved_per_microbatch
+from engine.planner.float8 import gathered_bytes_per_element
 from engine.planner.params import padded_numel, rank_params
 from engine.planner.optimizer_state import optimizer_bytes
 from engine.planner.real_plan import StateBytes
@@ -91,7 +92,8 @@ def transient_bytes(layout, coords: dict | None = None) -> int:
     FSDP/DDP wrapping.
 
     FSDP2 (torch ``fully_shard``, torch/distributed/fsdp/_fully_shard): the unit in use and the next
-    one (backward prefetch) all-gathered in the compute dtype; the root unit is not resharded after
+    one (backward prefetch) all-gathered in the compute dtype (a float8 weight under float8
+    all-gather: 1 byte per element); the root unit is not resharded after
     forward, so at the loss it and the last block are the two gathered units. With one gradient
     reduction per step, and under pipeline parallel (whose stage runs every backward without FSDP's
     reduction, torch/distributed/pipelining/stage.py ``backward_maybe_with_nosync``), every unit
@@ -100,15 +102,18 @@ def transient_bytes(layout, coords: dict | None = None) -> int:
     the whole step (parallelisms/data_parallel.py).
     """
     ddp = layout.fsdp == 1 and layout.dp_replicate > 1
-    units: dict[str, int] = {}
+    units: dict[str, int] = {}  # gathered bytes per unit (float8 weights: 1 byte under float8 all-gather)
+    elements: dict[str, int] = {}
     for p in rank_params(layout, coords):
         if p.fsdp_size > 1 or ddp:
-            units[p.unit] = units.get(p.unit, 0) + padded_numel(p.tp_local, p.fsdp_dim, p.fsdp_size)
+            n = padded_numel(p.tp_local, p.fsdp_dim, p.fsdp_size)
+            units[p.unit] = units.get(p.unit, 0) + n * gathered_bytes_per_element(layout, p.spec)
+            elements[p.unit] = elements.get(p.unit, 0) + n
     if not units:
         return 0
-    pb, rb = layout.param_bytes, layout.reduce_bytes
+    rb = layout.reduce_bytes
     if layout.pp > 1:
-        gathered, grads = sum(units.values()) * pb, sum(units.values()) * rb
+        gathered, grads = sum(units.values()), sum(elements.values()) * rb
         pp_rank = (coords or {}).get("pp", 0)
         if layout.pp_microbatches > microbatches_in_flight(layout, pp_rank):
             return gathered + grads  # a later backward starts with as many microbatches in flight
@@ -116,11 +121,11 @@ def transient_bytes(layout, coords: dict | None = None) -> int:
         # later one with a microbatch fewer and every unit's unsharded gradient.
         return max(gathered, gathered + grads - saved_per_microbatch(layout, pp_rank))
     if layout.grad_accum > 1 and not layout.cfg.parallelism.grad_sync_each_microbatch:
-        return sum(units.values()) * (pb + rb)
+        return sum(units.values()) + sum(elements.values()) * rb
     if ddp:
-        return sum(units.values()) * pb
+        return sum(units.values())
     largest = sorted(units.values(), reverse=True)
-    return (largest[0] + (largest[1] if len(largest) > 1 else 0)) * pb
+    return largest[0] + (largest[1] if len(largest) > 1 else 0)
 
 
 def peak_nonstate_bytes(layout, coords: dict | None = None) -> int:

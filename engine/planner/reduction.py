@@ -16,7 +16,8 @@ experts inside its block's backward), the root (embedding, final norm, output he
 reduce-scatter over k ranks takes ``R`` elements (U with the sharded dim padded to a multiple of k),
 its reduction holds at its successive moments:
 
-    t1  before resharding:   U·pb (its gathered parameters) + U·pb (its unsharded gradients)
+    t1  before resharding:   U·pb (its gathered parameters; 1 byte per element of a float8 weight under
+                             float8 all-gather) + U·pb (its unsharded gradients)
                              + the previous unit's R·rb (FSDP keeps one reduce-scatter input alive
                              until the next unit's ``post_backward``)
     t2  copy-in:             U·pb (gradients) + R·rb (the reduce-scatter input)
@@ -58,6 +59,7 @@ import math
 from dataclasses import dataclass
 
 from engine.planner.activations import block_activation_bytes
+from engine.planner.float8 import gathered_bytes_per_element
 from engine.planner.params import padded_numel, rank_params
 
 MASTER_BYTES = 4  # the sharded master weights (and so their gradients) are fp32
@@ -70,6 +72,8 @@ class Unit:
     Attributes:
         name: "root", "layers.N" or "layers.N.experts".
         unsharded: elements of its parameters as gathered (its unsharded gradients have as many).
+        gathered: bytes of its parameters as gathered: ``pb`` per element, 1 for a float8 weight
+            under float8 all-gather (engine/planner/float8.py ``gathered_bytes_per_element``).
         padded: elements of its reduce-scatter input (each sharded dim padded to a multiple of k).
         k: ranks of its reduce-scatter (1: DDP, or an experts unit alone on its mesh).
         last: elements of its last parameter (registration order).
@@ -78,6 +82,7 @@ class Unit:
 
     name: str
     unsharded: int = 0
+    gathered: int = 0
     padded: int = 0
     k: int = 1
     last: int = 0
@@ -94,6 +99,7 @@ def rank_units(layout, coords: dict | None = None) -> dict[str, Unit]:
         u = units.setdefault(p.unit, Unit(p.unit))
         numel = math.prod(p.tp_local)
         u.unsharded += numel
+        u.gathered += numel * gathered_bytes_per_element(layout, p.spec)
         u.padded += padded_numel(p.tp_local, p.fsdp_dim, p.fsdp_size)
         u.k = p.fsdp_size
         u.last = numel
@@ -114,7 +120,7 @@ def unit_reduce_bytes(u: Unit, layout, prev_input: int, grad_bytes: int) -> int:
     grads = u.unsharded * grad_bytes
     out = u.padded // u.k
     last = u.last * grad_bytes if u.k > 1 else 0
-    t1 = u.unsharded * pb + grads + prev_input
+    t1 = u.gathered + grads + prev_input
     t2 = grads + u.padded * rb
     if u.k > 1:
         t3 = u.padded * rb * (2 if layout.comm_backend == "gloo" else 1) + out * rb + last
@@ -162,9 +168,9 @@ def reduction_events(layout, coords: dict | None = None) -> dict[str, int]:
     def base(gathered: tuple[str, ...]) -> int:
         total = walk["held"]
         if ddp or deferred:  # every unit stays gathered until its own reduction
-            total += sum(units[n].unsharded for n in pending) * pb
+            total += sum(units[n].gathered for n in pending)
         else:
-            total += sum(units[n].unsharded for n in (set(gathered) | ({"root"} & pending)) if n in units) * pb
+            total += sum(units[n].gathered for n in (set(gathered) | ({"root"} & pending)) if n in units)
         if deferred:  # with its accumulated gradient
             total += sum(units[n].unsharded for n in pending) * grad_bytes
         elif "root" in pending:
