@@ -135,15 +135,17 @@ def _sweep(tmp_path, layouts: str, env: dict | None = None, extra: list[str] = (
 
 @pytest.mark.slow  # runs through the launcher (see pyproject.toml)
 def test_parity_sweep_passes_and_reports(tmp_path):
-    proc, report = _sweep(tmp_path, "fsdp2,tp2")
+    """One fp32 layout through the launcher (each costs a launch: fsdp2 goes through it in the replay
+    and --locate tests, several rows in one table in the fp64 sweep below)."""
+    proc, report = _sweep(tmp_path, "tp2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert report["clipping"]["engaged"] and report["clipping"]["max_norm"] == MAX_NORM
     assert report["clipping"]["unclipped_steps"] >= 1
-    assert [row["layout"] for row in report["layouts"]] == ["fsdp2", "tp2"]
+    assert [row["layout"] for row in report["layouts"]] == ["tp2"]
     for row in report["layouts"]:
         assert row["passed"] and len(row["history"]) == 5, row
         assert row["loss"] < 1e-5 and row["grad_norm"] < 1e-5 and row["params"] < 1e-4, row
-    assert "2/2 layouts pass" in proc.stdout
+    assert "1/1 layouts pass" in proc.stdout
 
 
 @pytest.mark.slow  # runs through the launcher (see pyproject.toml)
