@@ -158,19 +158,23 @@ def missing_ranks(folder: str) -> tuple[list[int], str, list[int]] | None:
 
 
 def test_hook(step: int, rank: int, wait_for_every_group=None) -> None:
-    """The test suite's real faults, in attempt 0 only (a restarted attempt runs on), at the start of
-    a step, before its first collective. ``QUADRA_TEST_FAULT=KIND:RANK:STEP[:GROUP]`` (RANK ``any``:
-    every rank of this node; GROUP: only in that torchft replica group, ``QUADRA_REPLICA_ID``): ``hang``
+    """The test suite's real faults, each in one attempt (a restarted attempt runs on), at the start of
+    a step, before its first collective. ``QUADRA_TEST_FAULT=KIND:RANK:STEP[@ATTEMPT][:GROUP]`` (RANK
+    ``any``: every rank of this node; ATTEMPT: the launch attempt it fires in, default 0, so one run
+    can meet a second fault after its first restart; GROUP: only in that torchft replica group,
+    ``QUADRA_REPLICA_ID``): ``hang``
     sleeps, ``kill`` SIGKILLs the rank, ``kill_node`` SIGKILLs the rank's launcher (the node is gone for
     good; its ranks follow it), ``rejoin`` calls ``wait_for_every_group`` (a torchft group's next
     quorum waits for every group: a restarted one rejoins at this step, however long its restart
     takes); several faults are comma-separated. No-op otherwise."""
     specs = os.environ.get("QUADRA_TEST_FAULT")
-    if not specs or attempt_number() != 0:
+    if not specs:
         return
     for spec in specs.split(","):  # several faults: comma-separated
         kind, fault_rank, fault_step, *group = spec.split(":")
-        if (group and group[0] != os.environ.get("QUADRA_REPLICA_ID")) or fault_rank not in ("any", str(rank)):
+        fault_step, _, attempt = fault_step.partition("@")
+        if (group and group[0] != os.environ.get("QUADRA_REPLICA_ID")) or fault_rank not in ("any", str(rank)) \
+                or int(attempt or 0) != attempt_number():
             continue
         if int(fault_step) == step and kind == "rejoin" and wait_for_every_group is not None:
             wait_for_every_group()
