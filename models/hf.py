@@ -73,7 +73,11 @@ def require(ok: bool, where: str, message: str) -> None:
 
 
 def rope_from_config(config: dict, where: str) -> tuple[float, dict]:
-    """(rope_theta, LlamaModelArgs rope fields) from either config format (default or "llama3")."""
+    """(rope_theta, LlamaModelArgs rope fields) from either config format (transformers 4's
+    ``rope_scaling``, 5's ``rope_parameters``): the default RoPE, Llama 3.1's "llama3" scaling, or
+    "yarn" (Qwen3's long-context scaling, as its model cards publish it: ``{"rope_type": "yarn",
+    "factor": 4.0, "original_max_position_embeddings": 32768}``; the attention factor is
+    transformers' default 0.1 * ln(factor) + 1)."""
     params = config.get("rope_parameters") or {}
     theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
     scaling = config.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
@@ -82,8 +86,19 @@ def rope_from_config(config: dict, where: str) -> tuple[float, dict]:
             "partial_rotary_factor != 1 (RoPE on part of each head) is not implemented in Quadra's attention")
     if kind in (None, "default"):
         return theta, {"rope_scaling": "none"}
-    require(kind == "llama3", where, f"RoPE scaling {kind!r} is not supported; Quadra implements the default "
-                                     "and Llama 3.1's \"llama3\" scaling")
+    require(kind in ("llama3", "yarn"), where, f"RoPE scaling {kind!r} is not supported; Quadra implements the "
+                                                "default, Llama 3.1's \"llama3\" and \"yarn\"")
+    if kind == "yarn":
+        for field in ("attention_factor", "mscale", "mscale_all_dim"):
+            require(not scaling.get(field), where, f"rope_scaling {field} is set; Quadra's YaRN here takes the "
+                                                   "attention factor 0.1 * ln(factor) + 1 (remove it)")
+        require(scaling.get("truncate", True), where, "yarn truncate = false is not implemented")
+        positions = int(config.get("max_position_embeddings", 32768))
+        original = int(scaling.get("original_max_position_embeddings") or positions)
+        return theta, {"rope_scaling": "yarn", "rope_scaling_factor": float(scaling.get("factor") or positions / original),
+                       "rope_original_max_seq_len": original,
+                       "rope_yarn_beta_fast": float(scaling.get("beta_fast") or 32),
+                       "rope_yarn_beta_slow": float(scaling.get("beta_slow") or 1)}
     return theta, {
         "rope_scaling": "llama3",
         "rope_scaling_factor": float(scaling["factor"]),
@@ -149,6 +164,12 @@ def common_config(args, *, architecture: str, model_type: str, dtype: str, bos_i
             "rope_type": "llama3", "factor": args.rope_scaling_factor, "low_freq_factor": args.rope_low_freq_factor,
             "high_freq_factor": args.rope_high_freq_factor,
             "original_max_position_embeddings": args.rope_original_max_seq_len,
+        }
+    elif args.rope_scaling == "yarn":
+        config["rope_scaling"] = {
+            "rope_type": "yarn", "factor": args.rope_scaling_factor,
+            "original_max_position_embeddings": args.rope_original_max_seq_len,
+            "beta_fast": args.rope_yarn_beta_fast, "beta_slow": args.rope_yarn_beta_slow,
         }
     return config
 

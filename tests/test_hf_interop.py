@@ -39,6 +39,10 @@ MODELS = {
     "qwen3_tied": ("qwen3", dict(head_dim=32, rope_theta=1000000.0, tie_word_embeddings=True), torch.bfloat16),
     "qwen3_moe": ("qwen3_moe", dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                     norm_topk_prob=True, router_aux_loss_coef=0.001), torch.float32),
+    # Qwen3's long-context YaRN as its model cards publish it (factor 4 over the original context,
+    # here 32 of 128 positions): every frequency band of the ramp and the attention factor.
+    "qwen3_yarn": ("qwen3", dict(head_dim=32, rope_theta=1000000.0, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}), torch.float32),
 }
 
 
@@ -131,6 +135,9 @@ def test_from_hf_forward_equals_transformers(converted, name):
         assert record["args"]["head_size"] == 32 and record["args"]["qk_norm"]
     if name == "llama_tied_scaled":
         assert record["args"]["tie_embeddings"] and record["args"]["rope_scaling"] == "llama3"
+    if name == "qwen3_yarn":
+        assert (record["args"]["rope_scaling"], record["args"]["rope_scaling_factor"],
+                record["args"]["rope_original_max_seq_len"]) == ("yarn", 4.0, 32)
     tokens = _tokens()
     with torch.no_grad():
         want = hf_model(tokens).logits

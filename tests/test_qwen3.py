@@ -241,7 +241,8 @@ def test_weight_rules_cover_the_model():
     ({"model_type": "llama"}, "model_type = 'llama' is not a Qwen3 model"),
     ({"use_sliding_window": True}, "use_sliding_window = true"),
     ({"attention_bias": True}, "attention_bias = true"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling 'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "RoPE scaling 'dynamic' is not supported"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "attention_factor": 1.2}}, "attention_factor is set"),
     ({"mlp_only_layers": [0]}, "mlp_only_layers = [0]"),
     ({"decoder_sparse_step": 2}, "decoder_sparse_step = 2"),
     ({"num_hidden_layers": None}, "num_hidden_layers"),
@@ -319,3 +320,20 @@ def test_llama_and_mixtral_exports_refuse_qk_norm(name, flavor):
     args.qk_norm = True
     with pytest.raises(ValueError, match="qk_norm = True; Hugging Face's .* has no QK-norm"):
         _adapter(name).config_from_args(args, dtype="float32", bos_id=None, eos_id=None)
+
+
+def test_yarn_is_validated_and_named_past_the_trained_length():
+    """Qwen3's long-context YaRN (models/llama/rope.py): its settings are checked, and a run past the
+    trained length names it in its one warning (models/registry.py ``long_context_warning``)."""
+    import dataclasses
+
+    from models.registry import long_context_warning
+
+    base = get_model_args("qwen3", "debugmodel_tiny")
+    yarn = dataclasses.replace(base, rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_max_seq_len=512)
+    yarn.validate()
+    line = long_context_warning(yarn, 2 * base.max_seq_len, "qwen3/debugmodel_tiny")
+    assert "RoPE YaRN (factor 4, original_max_seq_len 512, beta_fast 32, beta_slow 1)" in line, line
+    for bad in (dict(rope_scaling_factor=0.5), dict(rope_yarn_beta_fast=0.5), dict(rope_scaling="ntk")):
+        with pytest.raises(ValueError, match="rope_scaling|yarn RoPE scaling"):
+            dataclasses.replace(yarn, **bad).validate()

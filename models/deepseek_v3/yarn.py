@@ -2,47 +2,18 @@
 (Peng et al. 2023, "YaRN: Efficient Context Window Extension of Large Language Models",
 arXiv 2309.00071), the scaling of the published DeepSeek-V3 checkpoints.
 
-YaRN ("NTK-by-parts", §3.2 of the paper): for each frequency the number of rotations it makes over
-the original context L decides how it is scaled. Frequencies with fewer than β rotations are
-interpolated (divided by the factor s), those with more than α kept, those in between blended by a
-linear ramp over the channel index; with d the rotated width and b the base, the ramp runs between
-the channels d·ln(L / (2π·r)) / (2·ln b) for r = α (beta_fast) and r = β (beta_slow), floored / ceiled
-(transformers' ``_compute_yarn_parameters``, DeepSeek's reference ``precompute_freqs_cis``). The
+YaRN's frequencies are models/llama/rope.py ``yarn_frequencies`` (shared with Qwen3). The
 temperature ("attention factor", eq. 22) is applied to the cos/sin tables, and DeepSeek's
 ``mscale_all_dim`` to the softmax scale (models/deepseek_v3/args.py).
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from models.llama.rope import rope_frequencies
+from models.llama.rope import rope_frequencies, yarn_frequencies  # (re-exported)
 
 __all__ = ["yarn_frequencies", "deepseek_rope_tables"]
-
-
-def _correction_dim(rotations: float, dim: int, base: float, original: int) -> float:
-    return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-
-def yarn_frequencies(dim: int, base: float, factor: float, original: int, beta_fast: float,
-                     beta_slow: float, device=None) -> torch.Tensor:
-    """YaRN's inverse frequencies, float64 [dim // 2] (radians per token).
-
-    Args:
-        dim: rotated channels (qk_rope_head_dim); base: RoPE theta; factor: s; original: the
-            pre-training context L (tokens); beta_fast, beta_slow: α, β (rotations).
-    """
-    inv_freq = rope_frequencies(dim, base, device=device)
-    low = max(math.floor(_correction_dim(beta_fast, dim, base, original)), 0)
-    high = min(math.ceil(_correction_dim(beta_slow, dim, base, original)), dim - 1)
-    if low == high:
-        high += 0.001  # one-channel ramp (as the references)
-    ramp = ((torch.arange(dim // 2, device=device, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-    keep = 1 - ramp  # 1: extrapolate (unchanged frequency), 0: interpolate (frequency / s)
-    return inv_freq / factor * (1 - keep) + inv_freq * keep
 
 
 def deepseek_rope_tables(args, device=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,10 +43,14 @@ class LlamaModelArgs:
             et al. 2024; Meta's reference `apply_scaling`): wavelengths above
             rope_original_max_seq_len / rope_low_freq_factor are divided by rope_scaling_factor,
             those below rope_original_max_seq_len / rope_high_freq_factor kept, those between
-            interpolated smoothly (see `models.llama.model.rope_frequencies`).
+            interpolated smoothly (see `models.llama.model.rope_frequencies`); or "yarn" (Peng et al.
+            2023, arXiv 2309.00071; Qwen3's long-context scaling, models/llama/rope.py
+            ``yarn_frequencies``): factor rope_scaling_factor over rope_original_max_seq_len, ramp
+            bounds rope_yarn_beta_fast / rope_yarn_beta_slow, tables times 0.1·ln(factor) + 1.
         rope_scaling_factor, rope_low_freq_factor, rope_high_freq_factor: its factors (Llama 3.1:
-            8, 1, 4; Llama 3.2: 32, 1, 4).
+            8, 1, 4; Llama 3.2: 32, 1, 4; YaRN reads the factor only: Qwen3 publishes 4).
         rope_original_max_seq_len: the context length (tokens) of pre-training before scaling (8192).
+        rope_yarn_beta_fast, rope_yarn_beta_slow: YaRN's α, β (rotations; 32 and 1 as published).
         max_seq_len: longest sequence (tokens) the RoPE tables cover.
         tie_embeddings: share one [vocab, dim] matrix between tok_embeddings and output.
         ffn_hidden_size: explicit SwiGLU hidden width (Hugging Face's `intermediate_size`); None
@@ -75,6 +79,8 @@ class LlamaModelArgs:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_seq_len: int = 8192
+    rope_yarn_beta_fast: float = 32.0
+    rope_yarn_beta_slow: float = 1.0
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     ffn_hidden_size: int | None = None
@@ -97,16 +103,27 @@ class LlamaModelArgs:
     @property
     def rope_scaling_params(self) -> tuple[float, float, float, int] | None:
         """(factor, low_freq_factor, high_freq_factor, original_max_seq_len) with llama3 scaling, else None."""
-        if self.rope_scaling == "none":
+        if self.rope_scaling != "llama3":
             return None
         return (self.rope_scaling_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
                 self.rope_original_max_seq_len)
+
+    @property
+    def rope_yarn_params(self) -> tuple[float, int, float, float] | None:
+        """(factor, original_max_seq_len, beta_fast, beta_slow) with YaRN, else None."""
+        if self.rope_scaling != "yarn":
+            return None
+        return (self.rope_scaling_factor, self.rope_original_max_seq_len, self.rope_yarn_beta_fast,
+                self.rope_yarn_beta_slow)
 
     @property
     def rope_summary(self) -> str:
         """The RoPE frequencies in words, for messages: "llama3 scaling (factor 8, ...)" or "none"."""
         if self.rope_scaling == "none":
             return f"none (rope_theta {self.rope_theta:g}, unscaled)"
+        if self.rope_scaling == "yarn":
+            return (f"YaRN (factor {self.rope_scaling_factor:g}, original_max_seq_len {self.rope_original_max_seq_len}, "
+                    f"beta_fast {self.rope_yarn_beta_fast:g}, beta_slow {self.rope_yarn_beta_slow:g})")
         return (f"llama3 scaling (factor {self.rope_scaling_factor:g}, low_freq_factor {self.rope_low_freq_factor:g}, "
                 f"high_freq_factor {self.rope_high_freq_factor:g}, original_max_seq_len {self.rope_original_max_seq_len})")
 
@@ -167,9 +184,19 @@ class LlamaModelArgs:
             raise ValueError(
                 f"LlamaModelArgs.ffn_hidden_size={self.ffn_hidden_size!r} must be a positive integer or None"
             )
-        if self.rope_scaling not in ("none", "llama3"):
+        if self.rope_scaling not in ("none", "llama3", "yarn"):
             raise ValueError(
-                f"LlamaModelArgs.rope_scaling={self.rope_scaling!r}: choose \"none\" or \"llama3\""
+                f"LlamaModelArgs.rope_scaling={self.rope_scaling!r}: choose \"none\", \"llama3\" or \"yarn\""
+            )
+        if self.rope_scaling == "yarn" and not (
+            self.rope_scaling_factor >= 1 and self.rope_original_max_seq_len > 0
+            and self.rope_yarn_beta_fast > self.rope_yarn_beta_slow > 0
+        ):
+            raise ValueError(
+                f"LlamaModelArgs yarn RoPE scaling needs factor >= 1, original_max_seq_len > 0 and "
+                f"beta_fast > beta_slow > 0; got factor={self.rope_scaling_factor}, "
+                f"original_max_seq_len={self.rope_original_max_seq_len}, "
+                f"beta_fast={self.rope_yarn_beta_fast}, beta_slow={self.rope_yarn_beta_slow}"
             )
         if self.rope_scaling == "llama3" and not (
             self.rope_scaling_factor > 0 and self.rope_original_max_seq_len > 0

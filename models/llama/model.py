@@ -206,7 +206,7 @@ class Transformer(nn.Module):
         self._tie_weights()
         # Non-persistent: derived from the args, so checkpoints need not carry (or reshard) them.
         cos, sin = precompute_rope(model_args.head_dim, model_args.max_seq_len, model_args.rope_theta,
-                                   scaling=model_args.rope_scaling_params)
+                                   scaling=model_args.rope_scaling_params, yarn=model_args.rope_yarn_params)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -335,7 +335,8 @@ class Transformer(nn.Module):
         args = self.model_args
         device = buffer_device if buffer_device is not None else self.rope_cos.device
         self.rope_cos, self.rope_sin = precompute_rope(
-            args.head_dim, args.max_seq_len, args.rope_theta, device=device, scaling=args.rope_scaling_params
+            args.head_dim, args.max_seq_len, args.rope_theta, device=device, scaling=args.rope_scaling_params,
+            yarn=args.rope_yarn_params
         )
         out_std = args.dim**-0.5
         if args.tie_embeddings:

@@ -1,5 +1,5 @@
 """Rotary position embedding (RoPE; Su et al. 2021, arXiv 2104.09864) with Llama 3.1's frequency
-scaling: the frequencies, the cos/sin tables and the rotation of queries and keys, as real tensors
+scaling or YaRN's: the frequencies, the cos/sin tables and the rotation of queries and keys, as real tensors
 (no complex dtype: friendlier to DTensor and torch.compile). models/llama/model.py re-exports them.
 """
 
@@ -38,25 +38,69 @@ def rope_frequencies(
     return torch.where(wavelen < original / high, inv_freq, scaled)
 
 
+def _correction_dim(rotations: float, dim: int, base: float, original: int) -> float:
+    return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+
+def yarn_frequencies(dim: int, base: float, factor: float, original: int, beta_fast: float,
+                     beta_slow: float, device=None) -> torch.Tensor:
+    """YaRN's inverse frequencies (Peng et al. 2023, "YaRN", arXiv 2309.00071, §3.2 "NTK-by-parts"),
+    float64 [dim // 2] (radians per token).
+
+    For each frequency the number of rotations it makes over the original context L decides how it
+    is scaled: fewer than β rotations are interpolated (divided by the factor s), more than α kept,
+    in between blended by a linear ramp over the channel index; with d the rotated width and b the
+    base, the ramp runs between the channels d·ln(L / (2π·r)) / (2·ln b) for r = α (beta_fast) and
+    r = β (beta_slow), floored / ceiled (transformers' ``_compute_yarn_parameters``, DeepSeek's
+    reference ``precompute_freqs_cis``).
+
+    Args:
+        dim: rotated channels; base: RoPE theta; factor: s; original: the pre-training context L
+            (tokens); beta_fast, beta_slow: α, β (rotations).
+    """
+    inv_freq = rope_frequencies(dim, base, device=device)
+    low = max(math.floor(_correction_dim(beta_fast, dim, base, original)), 0)
+    high = min(math.ceil(_correction_dim(beta_slow, dim, base, original)), dim - 1)
+    if low == high:
+        high += 0.001  # one-channel ramp (as the references)
+    ramp = ((torch.arange(dim // 2, device=device, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (unchanged frequency), 0: interpolate (frequency / s)
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
+
+
+def yarn_attention_factor(factor: float) -> float:
+    """YaRN's temperature on the cos/sin tables, sqrt(1/t) = 0.1·ln(s) + 1 (arXiv 2309.00071, eq. 22;
+    1 for s <= 1), as transformers applies it when a config sets no ``attention_factor``."""
+    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
 def precompute_rope(
     head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None,
     scaling: tuple[float, float, float, int] | None = None,
+    yarn: tuple[float, int, float, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE tables as real cos/sin (no complex dtype: friendlier to DTensor and torch.compile).
 
     angle[p, i] = p * f_i for position p < max_seq_len and pair i < head_dim/2, with the
-    frequencies f of :func:`rope_frequencies` (``scaling``: Llama 3.1's, or None).
+    frequencies f of :func:`rope_frequencies` (``scaling``: Llama 3.1's, or None), or with
+    ``yarn = (factor, original_max_seq_len, beta_fast, beta_slow)`` those of
+    :func:`yarn_frequencies` and both tables times :func:`yarn_attention_factor` (Qwen3's long context).
     Computed in float64 (positions up to 131072 lose ~1e-2 rad in float32), returned as float32
     (float64 when that is torch's default dtype: the float64 reference mode).
 
     Returns:
         (cos, sin), each float32 [max_seq_len, head_dim // 2] on `device` (default device if None).
     """
-    inv_freq = rope_frequencies(head_dim, theta, scaling, device=device)
+    if yarn is not None:
+        factor, original, beta_fast, beta_slow = yarn
+        inv_freq = yarn_frequencies(head_dim, theta, factor, original, beta_fast, beta_slow, device=device)
+    else:
+        inv_freq = rope_frequencies(head_dim, theta, scaling, device=device)
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float64)
     angles = torch.outer(positions, inv_freq)
     dtype = torch.promote_types(torch.get_default_dtype(), torch.float32)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    attention = yarn_attention_factor(yarn[0]) if yarn is not None else 1.0
+    return (angles.cos() * attention).to(dtype), (angles.sin() * attention).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ HF -> Quadra -> HF is bitwise. Refusals are :class:`models.hf.HFConfigError` nam
 from __future__ import annotations
 
 from models.hf import (HFAdapter, HFConfigError, Rule, attention_rules, common_config, embedding_rule,
-                       head_rules, norm_rules, one, require, same, validated_args)
+                       head_rules, norm_rules, one, require, rope_from_config, same, validated_args)
 from models.llama.hf import feed_forward_rules
 from models.moe.hf import stack_transposed, unstack_transposed
 
@@ -29,15 +29,6 @@ __all__ = ["QWEN3_HF_ADAPTER", "QWEN3_MOE_HF_ADAPTER"]
 _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 _QWEN_LIKE = {"score_func": "softmax", "route_scale": 1.0, "n_shared_experts": 0, "n_dense_layers": 0,
               "load_balance_coeff": 0.0, "capacity_factor": 0.0}
-
-
-def _rope_theta(config: dict, where: str) -> float:
-    params = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or {}
-    kind = scaling.get("rope_type") or scaling.get("type") or params.get("rope_type") or "default"
-    require(kind == "default", where, f"RoPE scaling {kind!r} is not supported for Qwen3; Quadra implements "
-                                      "the default RoPE (remove rope_scaling to train at the base context)")
-    return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
 
 
 def _common(config: dict, model_type: str, where: str) -> dict:
@@ -53,11 +44,12 @@ def _common(config: dict, model_type: str, where: str) -> dict:
     require(kinds == {"full_attention"}, where,
             f"layer_types {sorted(kinds)}; Quadra's attention is full causal attention in every layer")
     dim, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    theta, rope = rope_from_config(config, where)
     default_head = 128 if model_type == "qwen3" else dim // heads  # as transformers builds them
     return dict(dim=dim, n_layers=int(config["num_hidden_layers"]), n_heads=heads,
                 n_kv_heads=int(config.get("num_key_value_heads") or heads), vocab_size=int(config["vocab_size"]),
                 head_size=int(config.get("head_dim") or default_head), qk_norm=True,
-                norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(config, where),
+                norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta, **rope,
                 max_seq_len=int(config.get("max_position_embeddings", 32768)),
                 tie_embeddings=bool(config.get("tie_word_embeddings", False)),
                 ffn_hidden_size=int(config["intermediate_size"]))
@@ -68,7 +60,7 @@ def qwen3_args_from_config(config: dict, where: str = "config.json"):
 
     Raises:
         HFConfigError: another model_type, a missing field, or a feature Quadra lacks (biases, another
-            activation, sliding window, RoPE scaling), naming the field.
+            activation, sliding window, a RoPE scaling other than llama3 / YaRN), naming the field.
     """
     from models.qwen3.args import Qwen3ModelArgs
 
@@ -104,8 +96,6 @@ def qwen3_moe_args_from_config(config: dict, where: str = "config.json"):
 def _check_exportable(name: str, args) -> None:
     where = f"model {name}"
     require(args.qk_norm, where, "qk_norm = False; Hugging Face's Qwen3 always normalizes queries and keys")
-    require(args.rope_scaling == "none", where,
-            f"rope_scaling = {args.rope_scaling!r}; a Qwen3 checkpoint here has the default RoPE")
     if name == "qwen3_moe":
         for field, value in _QWEN_LIKE.items():
             require(getattr(args, field) == value, where,
