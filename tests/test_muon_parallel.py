@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections import defaultdict
 
 import pytest
@@ -149,33 +147,38 @@ def test_muon_checkpoint_resumes_bitwise_and_on_another_layout(tmp_path):
     assert train and all(0 < r["z_loss"] < r["loss"] for r in train), train[:2]
 
 
-def _sweep(tmp_path, layouts: str, precision: str, overrides: dict) -> dict:
-    """./scripts/parity.py on the tests' 5-step tiny setting with Muon, clipping engaged on every step
-    (max_norm 0.405 under the Muon run's grad norms 0.51-0.54, kept); its --json report."""
-    from tests.training_utils import REPO, base_args
-
-    argv = [a for a in base_args(str(tmp_path / "unused"), {"optimizer.name": "Muon", "training.max_norm": "0.405",
-                                                            **overrides}) if a]
-    report = tmp_path / f"parity_{precision}.json"
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "parity.py"), "--config",
-                           os.path.join(REPO, "train_configs", "debug_model.toml"), "--layouts", layouts,
-                           "--precision", precision, "--keep_max_norm", "--json", str(report), *argv],
-                          cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    result = json.loads(report.read_text())
-    assert result["clipping"]["engaged"], result["clipping"]
-    return result
+# The float64 reference mode (what ./scripts/parity.py --precision fp64 sets), Muon's Newton-Schulz in
+# float64 too, and the z-loss; clipping engaged on every step (max_norm 0.405 under the Muon run's grad
+# norms 0.51-0.54).
+MUON_FP64 = {"optimizer.name": "Muon", "training.max_norm": "0.405", "loss.z_loss_weight": "0.001",
+             "training.mixed_precision_param": "float64", "training.mixed_precision_reduce": "float64",
+             "optimizer.muon_ns_dtype": "float64"}
 
 
-@pytest.mark.slow  # the launcher, 1 + 4 + 2 processes
-def test_muon_and_z_loss_float64_sweep_matches_to_1e12(tmp_path):
-    """./scripts/parity.py --precision fp64 with Muon and the z-loss: FSDP2 x TP (strided shards, the
-    vocab-sharded fused loss) and a pipeline agree with one process to 1e-12 with clipping engaged.
+@pytest.mark.slow  # 1 + 4 + 2 processes
+def test_muon_and_z_loss_float64_layouts_match_one_process_to_1e12(tmp_path):
+    """Muon and the z-loss in the float64 reference mode: FSDP2 x TP (strided shards, the vocab-sharded
+    fused loss) and a pipeline (1F1B) agree with one process to 1e-12 (loss, grad norm, validation)
+    with clipping engaged. In forked ranks: ./scripts/parity.py's launcher path is tests/test_parity.py's.
     (The first test of this file covers the other placements bitwise.)"""
-    result = _sweep(tmp_path, "fsdp2xtp2,pp2:1F1B", "fp64", {"loss.z_loss_weight": "0.001"})
-    assert result["precision"] == "float64"
-    for row in result["layouts"]:
-        assert row["passed"] and max(row["loss"], row["grad_norm"], row["params"]) <= 1e-12, row
+    import math
+
+    from tests.training_utils import base_args, clipping_sides, train_and_record
+
+    (single,) = run_distributed(train_and_record, 1, base_args(str(tmp_path / "one"), MUON_FP64), torchrun_env=False)
+    assert clipping_sides(single, max_norm=0.405)[0] == len(single), single
+    layouts = {
+        "fsdp2xtp2": (4, {"parallelism.dp_shard": 2, "parallelism.tp": 2, "training.local_batch_size": 4}),
+        "pp2_1f1b": (2, {"parallelism.pp": 2, "parallelism.dp_shard": 1, "parallelism.pp_schedule": "1F1B",
+                         "parallelism.pp_microbatch_size": 4}),
+    }
+    for name, (world_size, overrides) in layouts.items():
+        for history in run_distributed(train_and_record, world_size,
+                                       base_args(str(tmp_path / name), {**MUON_FP64, **overrides})):
+            pairs = [*zip(history, single), *zip(history.validation, single.validation)]
+            assert len(history) == len(single) and len(history.validation) == len(single.validation) == 3, name
+            for got, want in pairs:
+                assert all(math.isclose(a, b, rel_tol=1e-12) for a, b in zip(got, want)), (name, got, want)
 
 
 @pytest.mark.slow  # 1 + 2 processes
