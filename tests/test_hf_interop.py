@@ -39,6 +39,9 @@ MODELS = {
     "qwen3_tied": ("qwen3", dict(head_dim=32, rope_theta=1000000.0, tie_word_embeddings=True), torch.bfloat16),
     "qwen3_moe": ("qwen3_moe", dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                     norm_topk_prob=True, router_aux_loss_coef=0.001), torch.float32),
+    # YaRN on a Llama config (transformers reads it for every RoPE model; Quadra for llama and qwen3)
+    "llama_yarn": ("llama", dict(rope_theta=500000.0, rope_scaling={
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16}), torch.float32),
     # Qwen3's long-context YaRN as its model cards publish it (factor 4 over the original context,
     # here 32 of 128 positions): every frequency band of the ramp and the attention factor.
     "qwen3_yarn": ("qwen3", dict(head_dim=32, rope_theta=1000000.0, rope_scaling={
