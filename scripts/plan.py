@@ -103,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{a.model} {a.flavor} on {a.gpus} x {gpu.name} ({a.gpus_per_node} per node), seq_len {a.seq_len}, "
           f"global batch {a.global_batch_size} sequences; {len(records)} layouts, "
           f"{sum(r['fits'] for r in records)} fit")
+    from engine.planner.float8 import float8_summary
+
+    if result.ranked and float8_summary(result.ranked[0].layout, gpu, search=True):
+        print(float8_summary(result.ranked[0].layout, gpu, search=True))
     print(table(records, a.top))
     print(f"\ndecision matrix: row {result.row}: {ROWS.get(result.row, 'nothing fits')}")
     print(result.reason)

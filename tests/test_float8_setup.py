@@ -208,3 +208,23 @@ def test_float8_tp_styles_replace_the_familys_on_float8_linears():
     assert not any(isinstance(s, (Float8ColwiseParallel, Float8RowwiseParallel)) for s in outer.values())
     family_wo = plan[1][1]["attention.wo"]  # the family's plan is not changed in place
     assert type(family_wo) is RowwiseParallel and not isinstance(family_wo, Float8RowwiseParallel)
+
+
+def test_the_plan_says_float8_is_on_and_warns_where_the_gpu_has_no_float8():
+    """engine/planner/float8.py ``float8_summary``, printed by ./run_train.sh --dry_run and scripts/plan.py:
+    the float8 weights, float8 all-gather and the peak MFU divides by; a warning on a GPU without float8
+    matmuls; nothing with float8 off."""
+    from engine.observe.hardware import get_gpu
+    from engine.planner.float8 import float8_summary, is_float8_param
+    from engine.planner.layout import Layout
+
+    on = Layout.from_config(_cfg("--parallelism.dp_shard", "2", "--float8.enable", "true",
+                                 "--float8.fsdp_all_gather", "true"), 2, "cpu")
+    weights = sum(1 for p in on.params if is_float8_param(on, p))
+    line = float8_summary(on, get_gpu("H100-80GB"), search=True)
+    assert line == (f"float8 tensorwise: {weights} weights' matmuls at the float8 peak, weights all-gathered in "
+                    "float8 (1 byte per element); MFU against the float8 peak, 1979 TFLOPS; only FSDP layouts are "
+                    "candidates (float8.fsdp_all_gather)"), line
+    assert float8_summary(on, get_gpu("A100-80GB")).startswith("warning: float8.enable = true, but the GPU table "
+                                                                "has no float8 peak for A100-80GB")
+    assert float8_summary(Layout.from_config(_cfg(), 1, "cpu"), get_gpu("H100-80GB")) is None

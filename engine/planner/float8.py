@@ -53,3 +53,23 @@ def float8_flops_per_token(layout) -> float:
     if not layout.cfg.float8.enable:
         return 0.0
     return 6.0 * sum(p.numel for p in layout.params if is_float8_param(layout, p))
+
+
+def float8_summary(layout, gpu, *, search: bool = False) -> str | None:
+    """One line for the plan's reader on what ``[float8]`` changes, or None when it is off: the recipe,
+    how many weights' matmuls run at the float8 peak, float8 all-gather, and that MFU divides by the
+    float8 peak (engine/observe/hardware.py ``GPU.mfu_peak_flops``); a warning instead when ``gpu`` has
+    no float8 matmuls (no float8 peak in the table: torch's ``_scaled_mm`` needs an Ada, Hopper or
+    Blackwell GPU). ``search``: the planner's search, which keeps only FSDP layouts under float8
+    all-gather (it needs FSDP's shards)."""
+    f8 = layout.cfg.float8
+    if not f8.enable:
+        return None
+    if not gpu.float8_peak_flops:
+        return (f"warning: float8.enable = true, but the GPU table has no float8 peak for {gpu.name} (no float8 "
+                "matmuls before Ada / Hopper): planned at the bf16 peak, and torchao's float8 will not run there")
+    weights = sum(1 for p in layout.params if is_float8_param(layout, p))
+    gather = ", weights all-gathered in float8 (1 byte per element)" if f8.fsdp_all_gather else ""
+    only_fsdp = "; only FSDP layouts are candidates (float8.fsdp_all_gather)" if search and f8.fsdp_all_gather else ""
+    return (f"float8 {f8.recipe}: {weights} weights' matmuls at the float8 peak{gather}; MFU against the float8 "
+            f"peak, {gpu.float8_peak_flops / 1e12:.0f} TFLOPS{only_fsdp}")

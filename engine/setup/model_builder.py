@@ -13,6 +13,8 @@ pipeline plan, batch geometry) is resolved once per process by engine/setup/pref
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn as nn
 
@@ -78,7 +80,12 @@ def build_model_parts(cfg, spec: ModelSpec, args, *, parallel_dims=None, pp_plan
     if float8:  # after the meta build, before pipeline split and parallelisms (parallelisms/float8.py)
         from parallelisms.float8 import convert_to_float8
 
-        convert_to_float8(model, cfg.float8)
+        linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+        converted = convert_to_float8(model, cfg.float8)
+        logging.getLogger("quadra").info(
+            "float8 %s%s: %d of %d linears run their matmuls in float8 (torchao Float8Linear); the others stay in "
+            "high precision (float8.filter_fqns, a dim not divisible by 16)", cfg.float8.recipe,
+            " with FSDP all-gather in float8" if cfg.float8.fsdp_all_gather else "", len(converted), linears)
     if pp_plan is None:
         parts = [model]
     else:
