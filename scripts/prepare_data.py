@@ -77,6 +77,14 @@ def main(argv: list[str] | None = None) -> int:
             raise PreparedDataError("--num_proc and --shard_tokens must be >= 1")
         from engine.data.prepare import DEFAULT_SHARD_TOKENS, prepare
 
+        if args.num_proc > 1:
+            # datasets' worker pools (the `multiprocess` library) start by spawn here, as datasets does on
+            # macOS, not fork: a child forked from this process after Arrow's thread pool has run may
+            # inherit its locks held and never start (fork(2) copies only the calling thread); a run
+            # with --num_proc 2 was seen to hang so. This script has a main guard, which spawn needs.
+            import multiprocess
+
+            multiprocess.set_start_method("spawn", force=True)
         prepare(args.input, args.output, args.tokenizer, text_column=args.text_column, split=args.split,
                 num_proc=args.num_proc, shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS,
                 log=lambda line: print(line, flush=True))
