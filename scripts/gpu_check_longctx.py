@@ -90,6 +90,23 @@ def row_ring_kernels(ctx: Ctx) -> dict:
             "max_rel_err_bf16": f"{max(v for n, v in errors.items() if 'bfloat16' in n):.1e}", **compiled}
 
 
+def _compiled_vs_eager(eager, compiled, vocab_size: int, seq: int, device) -> tuple[float, float]:
+    """One forward and backward of both copies on the same synthetic batch [2, seq]: (relative loss
+    error, largest relative gradient error over the parameters that get one), asserted within fp32's
+    tolerance (loss) and 1e-3 (gradients)."""
+    inputs, labels = synthetic_batch(vocab_size, 2, seq, device)
+    losses = []
+    for model in (eager, compiled):
+        loss = step_loss(model, inputs, labels)
+        loss.backward()
+        losses.append(loss.detach())
+    loss_err = rel_err(losses[1], losses[0])
+    grad_err = max(rel_err(c.grad, e.grad) for c, e in zip(compiled.parameters(), eager.parameters())
+                   if e.grad is not None)
+    assert loss_err < FP32_REL and grad_err < 1e-3, (losses, grad_err)
+    return loss_err, grad_err
+
+
 def _compiled_ring_block(ctx: Ctx) -> dict:
     """A LLaMA model whose attention is the ring operator on the one-rank group, blocks compiled
     (inductor) vs eager: loss and gradients of one step."""
@@ -105,15 +122,8 @@ def _compiled_ring_block(ctx: Ctx) -> dict:
     eager = build_model(args, ctx.device, parallelize=lambda m: apply_cp(m, context, rotate_method="ring"))
     compiled = copy.deepcopy(eager)
     apply_compile(compiled, backend="aot_eager" if ctx.dry else "inductor")
-    inputs, labels = synthetic_batch(args.vocab_size, 2, seq, ctx.device)
-    losses = []
-    for model in (eager, compiled):
-        loss = step_loss(model, inputs, labels)
-        loss.backward()
-        losses.append(loss.detach())
-    grad_err = max(rel_err(c.grad, e.grad) for c, e in zip(compiled.parameters(), eager.parameters()))
-    assert rel_err(losses[1], losses[0]) < FP32_REL and grad_err < 1e-3, (losses, grad_err)
-    return {"compiled_ring_loss_rel_err": f"{rel_err(losses[1], losses[0]):.1e}", "compiled_ring_grad_rel_err": f"{grad_err:.1e}"}
+    loss_err, grad_err = _compiled_vs_eager(eager, compiled, args.vocab_size, seq, ctx.device)
+    return {"compiled_ring_loss_rel_err": f"{loss_err:.1e}", "compiled_ring_grad_rel_err": f"{grad_err:.1e}"}
 
 
 def row_compile_moe(ctx: Ctx) -> dict:
@@ -131,14 +141,5 @@ def row_compile_moe(ctx: Ctx) -> dict:
     eager = materialize(model, ctx.device, 0)
     compiled = copy.deepcopy(eager)
     parts = apply_compile(compiled, backend="aot_eager" if ctx.dry else "inductor")
-    inputs, labels = synthetic_batch(args.vocab_size, 2, seq, ctx.device)
-    losses = []
-    for m in (eager, compiled):
-        loss = step_loss(m, inputs, labels)
-        loss.backward()
-        losses.append(loss.detach())
-    grad_err = max(rel_err(c.grad, e.grad) for c, e in zip(compiled.parameters(), eager.parameters())
-                   if e.grad is not None)
-    assert rel_err(losses[1], losses[0]) < FP32_REL and grad_err < 1e-3, (losses, grad_err)
-    return {"compiled_modules": parts, "loss_rel_err": f"{rel_err(losses[1], losses[0]):.1e}",
-            "grad_rel_err": f"{grad_err:.1e}"}
+    loss_err, grad_err = _compiled_vs_eager(eager, compiled, args.vocab_size, seq, ctx.device)
+    return {"compiled_modules": parts, "loss_rel_err": f"{loss_err:.1e}", "grad_rel_err": f"{grad_err:.1e}"}
