@@ -105,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{sum(r['fits'] for r in records)} fit")
     from engine.planner.float8 import float8_summary
 
-    if result.ranked and float8_summary(result.ranked[0].layout, gpu, search=True):
-        print(float8_summary(result.ranked[0].layout, gpu, search=True))
+    float8_line = float8_summary(result.ranked[0].layout, gpu, search=True) if result.ranked else None
+    if float8_line:
+        print(float8_line)
     print(table(records, a.top))
     print(f"\ndecision matrix: row {result.row}: {ROWS.get(result.row, 'nothing fits')}")
     print(result.reason)

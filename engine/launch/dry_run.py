@@ -82,8 +82,9 @@ def dry_run(cfg, world_size: int, *, gpus_per_node: int) -> int:
           f"seq_len {layout.seq_len}, global batch {layout.global_batch_size}; GPU {gpu.name} ({gpu_source})")
     from engine.planner.float8 import float8_summary
 
-    if float8_summary(layout, gpu):
-        print(f"  {float8_summary(layout, gpu)}")
+    float8_line = float8_summary(layout, gpu)
+    if float8_line:
+        print(f"  {float8_line}")
     for r in built:
         print(f"  real plan of rank {r.rank} {r.coords}: {r.state.n_tensors} parameter tensors, "
               f"{r.state.param_elements:,} local parameters of {r.unsharded_param_elements:,} on its stages")
