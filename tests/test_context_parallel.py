@@ -1,15 +1,18 @@
-"""Context parallel trains the same model as one process (gloo, CPU): loss and grad-norm parity."""
+"""Context parallel trains the same model as one process (gloo, CPU): loss and grad-norm parity, each
+layout eager and with torch.compile (``<layout>_compiled``: the ring's custom operator inside compiled
+blocks; the all-gather's functional collectives traced into them). The layouts of one world size train
+in the same forked ranks, one after another (:class:`tests.training_utils.LayoutRuns`)."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.dist_utils import run_distributed
-from tests.training_utils import assert_parity, base_args, train_and_record
+from tests.training_utils import LayoutRuns, assert_parity, base_args, train_and_record, with_compiled_twins
 
 pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)
 
-LAYOUTS = {
+LAYOUTS = with_compiled_twins({
     # name: (world_size, overrides); the global batch is 8 sequences of 64 tokens in every layout.
     "cp2_ring": (2, {"parallelism.cp": 2, "parallelism.dp_shard": 1}),
     "cp2_allgather_no_load_balance": (
@@ -30,13 +33,17 @@ LAYOUTS = {
         {"parallelism.pp": 2, "parallelism.dp_shard": 2, "parallelism.cp": 2, "parallelism.tp": 2,
          "training.local_batch_size": 4, "parallelism.pp_microbatch_size": 2},
     ),
-}
+})
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return LayoutRuns(LAYOUTS, str(tmp_path_factory.mktemp("context_parallel")))
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_context_parallel_parity_with_one_process(layout, reference, tmp_path):
-    world_size, overrides = LAYOUTS[layout]
-    for history in run_distributed(train_and_record, world_size, base_args(str(tmp_path), overrides)):
+def test_context_parallel_parity_with_one_process(layout, reference, runs):
+    for history in runs.history(layout):
         assert_parity(history, reference)
 
 

@@ -1,7 +1,9 @@
 """Document masking under every layout: loss, grad norm and validation parity with one process (gloo,
 CPU), clipping engaged, on a corpus of short documents (every 32-token window holds boundaries).
 
-Each layout is one of the parity layouts of the existing test modules with ``[document_mask]`` on.
+Each layout is one of the parity layouts of the existing test modules with ``[document_mask]`` on; every
+context-parallel one also with torch.compile (``<layout>_compiled``: the mask's blocks handed to the ring's
+operator, or to the all-gather's attention, inside compiled blocks).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from tests.training_utils import (
     base_args,
     clipping_sides,
     train_and_record,
+    with_compiled_twins,
 )
 
 pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)
@@ -33,7 +36,7 @@ RESTART = {**MASK, "document_mask.restart_positions": "true"}
 POSITIONS = {"document_mask.restart_positions": "true"}  # restarted positions, causal attention
 
 # name: (world size, overrides, reference); the references are one process with the same masking.
-LAYOUTS = {
+LAYOUTS = with_compiled_twins({
     "fsdp2": (*DP_LAYOUTS["fsdp2"], RESTART, "restart"),
     "fsdp2_accum2": (*DP_LAYOUTS["fsdp2_accum2"], RESTART, "restart"),
     "ddp2": (*DP_LAYOUTS["ddp2"], RESTART, "restart"),
@@ -53,7 +56,7 @@ LAYOUTS = {
     "cp2_allgather_no_load_balance": (*CP_LAYOUTS["cp2_allgather_no_load_balance"], RESTART, "restart"),
     "cp2_x_tp2": (*CP_LAYOUTS["cp2_x_tp2"], RESTART, "restart"),
     "moe_ep2": (*EP_LAYOUTS["ep2"], RESTART, "moe"),
-}
+})
 REFERENCES = {"restart": RESTART, "mask": MASK, "positions": POSITIONS, "moe": {**RESTART, "model.name": "moe"},
               "causal": {}}
 

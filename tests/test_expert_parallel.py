@@ -3,6 +3,10 @@ one process (gloo, CPU), and an expert-parallel layer whose experts or ranks rec
 
 To keep CI fast, the layouts of one world size train one after another in the same forked ranks
 (one process group, a fresh Trainer and mesh per layout); each layout is still its own test.
+
+``<layout>_compiled``: the same layout with torch.compile, which compiles an MoE block's static-shape
+parts (attention, router, shared experts) and leaves token routing and the all-to-all eager
+(parallelisms/compile.py); every context-parallel layout, plain ep2 and ep2 × FSDP.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import math
 import pytest
 
 from tests.dist_utils import run_distributed
-from tests.training_utils import MOE_FLAVOR, assert_parity, base_args, train_and_record
+from tests.training_utils import MOE_FLAVOR, assert_parity, base_args, train_and_record, train_layouts, with_compiled_twins
 
 pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)
 
@@ -20,7 +24,7 @@ MOE = {"model.name": "moe"}
 MIXTRAL = {"model.name": "moe", "model.flavor": "debugmodel_mixtral_tiny"}
 
 # name: (world_size, overrides); every layout trains on the same global batch of 8 sequences.
-LAYOUTS = {
+LAYOUTS = with_compiled_twins({
     "ep2": (2, {**MOE, "parallelism.dp_shard": 2, "parallelism.ep": 2, "training.local_batch_size": 4}),
     # The first stage holds only the dense layer 0: a stage without MoE layers.
     "pp2_dense_first_stage": (
@@ -57,13 +61,13 @@ LAYOUTS = {
         4, {**MOE, "parallelism.pp": 2, "parallelism.dp_shard": 2, "parallelism.ep": 2,
             "training.local_batch_size": 4, "parallelism.pp_microbatch_size": 2},
     ),
-}
+}, also=("ep2", "ep2_x_fsdp2"))
 
 
 def _train_layouts(folder: str, names: list[str], zero_token_check: bool) -> dict:
     results = {"ep_zero_tokens": _zero_token_check() if zero_token_check else None}
     results["bad_ep"] = _startup_error(base_args(f"{folder}/bad_ep", {**MOE, "parallelism.ep": 3}))
-    results.update({name: train_and_record(base_args(f"{folder}/{name}", LAYOUTS[name][1])) for name in names})
+    results.update(train_layouts(folder, {name: LAYOUTS[name][1] for name in names}))
     return results
 
 
@@ -108,6 +112,7 @@ def test_moe_parity_with_one_process(layout, references, request):
     results = request.getfixturevalue(f"runs_{world_size}")
     reference = references[overrides.get("model.flavor", MOE_FLAVOR)]
     for rank_results in results:  # every rank reports the same global loss and grad norm
+        assert not isinstance(rank_results[layout], str), f"layout {layout}:\n{rank_results[layout]}"
         assert_parity(rank_results[layout], reference)
 
 

@@ -88,7 +88,7 @@ def test_dry_cpu_rows_pass_without_optional_packages(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
     env.pop("OUT", None)
     run = subprocess.run(
-        # the compile rows take 15-40 s each on 2 cores; their CPU paths are the parity tests' (test_compile_parallel.py)
+        # the compile rows take 15-40 s each on 2 cores; their CPU paths are the compiled parity layouts' (tests/test_context_parallel.py, test_expert_parallel.py)
         [sys.executable, "-c", _BLOCKED_RUN, "--dry-cpu", "--skip", "compile_per_block,ring_kernels_compile_cp,compile_moe",
          "--no-compile",
          "--json", str(path)],

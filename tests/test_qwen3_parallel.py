@@ -5,7 +5,8 @@ What these layouts guard beyond the LLaMA / MoE ones: the QK-norm weights [head_
 parallel (replicated, their gradient summed over the heads of every tp rank, with and without
 sequence parallel), a head width that is not dim / n_heads through TP, CP (ring attention) and PP,
 and Qwen3-MoE's routing under expert parallel. All layouts of one world size train in the same forked
-ranks, one after another (:class:`tests.training_utils.LayoutRuns`).
+ranks, one after another (:class:`tests.training_utils.LayoutRuns`); the context-parallel ones also
+with torch.compile (``<layout>_compiled``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from tests.dist_utils import run_distributed
-from tests.training_utils import LayoutRuns, assert_parity, base_args, clipping_sides, train_and_record
+from tests.training_utils import LayoutRuns, assert_parity, base_args, clipping_sides, train_and_record, with_compiled_twins
 
 pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)
 
@@ -21,7 +22,7 @@ DENSE = {"model.name": "qwen3", "model.flavor": "debugmodel_tiny"}
 MOE = {"model.name": "qwen3_moe", "model.flavor": "debugmodel_tiny"}
 
 # name: (world_size, overrides); every layout trains on the same global batch of 8 sequences.
-LAYOUTS = {
+LAYOUTS = with_compiled_twins({
     "qwen3_fsdp2": (2, {**DENSE, "parallelism.dp_shard": 2, "training.local_batch_size": 4}),
     # Sequence and loss parallel (the defaults): QK-norm runs on each rank's 4 of 8 query heads.
     "qwen3_tp2": (2, {**DENSE, "parallelism.tp": 2, "parallelism.dp_shard": 1}),
@@ -40,7 +41,7 @@ LAYOUTS = {
     "qwen3_moe_cp2": (2, {**MOE, "parallelism.cp": 2, "parallelism.dp_shard": 1}),
     "qwen3_moe_ep2_x_tp2": (4, {**MOE, "parallelism.dp_shard": 2, "parallelism.ep": 2, "parallelism.tp": 2,
                                 "training.local_batch_size": 4}),
-}
+})
 
 
 def _references(folder: str) -> dict:

@@ -40,7 +40,8 @@ def _documents(batch: int, seq_len: int) -> torch.Tensor:
     return ids
 
 
-def _compare(method: str, load_balance: bool, dtype_name: str, with_documents: bool = False) -> tuple[float, float]:
+def _compare(method: str, load_balance: bool, dtype_name: str, with_documents: bool = False,
+             compiled: bool = False) -> tuple[float, float]:
     import torch.distributed as dist
 
     from parallelisms.ring_attention import allgather_attention, ring_attention
@@ -64,7 +65,11 @@ def _compare(method: str, load_balance: bool, dtype_name: str, with_documents: b
     mine = positions[rank]
     local = [t.detach()[:, :, mine].clone().requires_grad_(True) for t in (q, k, v)]
     fn = ring_attention if method == "ring" else allgather_attention
-    out = fn(*local, positions, dist.group.WORLD, documents)
+    if compiled:  # as a compiled block calls it: the group by name, this rank as an int
+        fn = torch.compile(fn, backend="aot_eager", fullgraph=True)
+        out = fn(*local, positions, dist.group.WORLD.group_name, documents, rank=rank)
+    else:
+        out = fn(*local, positions, dist.group.WORLD, documents)
     out.backward(dout[:, :, mine])
     fwd_err = (out - full.detach()[:, :, mine]).abs().max().item()
     bwd_err = max((l.grad - t.grad[:, :, mine]).abs().max().item() for l, t in zip(local, (q, k, v)))
@@ -87,13 +92,21 @@ def test_matches_block_causal_attention_fp64(cp, load_balance):
         assert fwd_err < 1e-10 and bwd_err < 1e-10, (fwd_err, bwd_err)
 
 
+@pytest.mark.parametrize("method, load_balance, with_documents", [("ring", True, True), ("allgather", False, False)])
+def test_compiled_matches_full_attention_fp64(method, load_balance, with_documents):
+    """Inside a ``fullgraph`` compile (Dynamo + AOTAutograd): the ring's operator as an opaque node, the
+    all-gather's functional collectives traced into the forward and backward graphs."""
+    for fwd_err, bwd_err in run_distributed(_compare, 2, method, load_balance, "float64", with_documents, True):
+        assert fwd_err < 1e-10 and bwd_err < 1e-10, (fwd_err, bwd_err)
+
+
 def test_matches_full_attention_fp32():
     for fwd_err, bwd_err in run_distributed(_compare, 2, "ring", True, "float32"):
         assert fwd_err < 1e-5 and bwd_err < 1e-5, (fwd_err, bwd_err)
 
 
 # opcheck's checks but "test_aot_dispatch_dynamic" (a compile of each operator: 20 s on 2 cores; the
-# compiled parity tests, tests/test_compile_parallel.py, trace the operators as compiled blocks do)
+# compiled parity layouts, ``<layout>_compiled`` in tests/test_context_parallel.py, trace the operators as compiled blocks do)
 CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
 
 

@@ -32,6 +32,11 @@ EPS, LR = 1e-4, 3e-2
 VALIDATION_FREQ = 2
 # 32 tokens: divisible by 2·cp·tp = 8 of every cp layout; a step costs half of 64's.
 SEQ_LEN = 32
+# torch.compile as the compiled parity layouts run it: Dynamo and AOTAutograd trace the blocks (forward
+# and backward graphs, the ring's custom operator as an opaque node) as they would for inductor,
+# without inductor's C++ code generation (20-40 s per rank on a CPU; tests/test_ac_compile.py
+# lowers the dense model with inductor).
+COMPILED = {"compile.enable": "true", "compile.backend": "aot_eager"}
 
 
 def base_args(dump_folder: str, overrides: dict | None = None) -> list[str]:
@@ -213,10 +218,31 @@ def run_in_turn(layouts: dict[str, dict], run_one) -> dict[str, object]:
     return results
 
 
+def with_compiled_twins(layouts: dict[str, tuple], also: tuple[str, ...] = ()) -> dict[str, tuple]:
+    """``layouts`` ({name: (world_size, overrides, ...)}) and, after them, a ``<name>_compiled`` twin
+    of every layout with context parallel (cp > 1) and of those named in ``also``: the same tuple
+    with :data:`COMPILED` added to its overrides, so each compiled layout trains in the same forked
+    ranks as its eager one and is compared with the same one-process reference."""
+    twins = {f"{name}_compiled": (layout[0], {**layout[1], **COMPILED}, *layout[2:])
+             for name, layout in layouts.items() if int(layout[1].get("parallelism.cp", 1)) > 1 or name in also}
+    return {**layouts, **twins}
+
+
 def train_layouts(folder: str, layouts: dict[str, dict]) -> dict[str, list | str]:
     """:func:`run_in_turn` of :func:`train_and_record` (a fresh Trainer and mesh per layout):
-    {name: history, or the failure's traceback}."""
-    return run_in_turn(layouts, lambda name, overrides: train_and_record(base_args(f"{folder}/{name}", overrides)))
+    {name: history, or the failure's traceback}. Dynamo's caches are cleared before each compiled
+    layout: every layout builds new modules whose recompiles of the shared code objects (the blocks'
+    forward) would otherwise add up to Dynamo's recompile limit, which ``fullgraph`` turns into an
+    error; a training process builds one model."""
+
+    def one(name: str, overrides: dict):
+        if str(overrides.get("compile.enable", "false")).lower() == "true":
+            import torch
+
+            torch._dynamo.reset()
+        return train_and_record(base_args(f"{folder}/{name}", overrides))
+
+    return run_in_turn(layouts, one)
 
 
 class LayoutRuns:
