@@ -326,3 +326,18 @@ def test_list_field_from_toml_and_cli(tmp_path):
     with pytest.raises(ConfigError, match="parallelism.pp_split_points"):
         load_config(["--job.config_file", write_toml(tmp_path, "[parallelism]\npp_split_points = [3]\n", "bad.toml")])
     assert JobConfig().parallelism.pp_split_points is not JobConfig().parallelism.pp_split_points
+
+
+@pytest.mark.parametrize("text, want", [
+    ("output,router.gate", ["output", "router.gate"]),
+    ('["output", "router.gate"]', ["output", "router.gate"]),  # the form --help shows
+    ("[]", []),
+    ("['layers.1']", ["layers.1"]),
+])
+def test_a_list_on_the_command_line_is_comma_separated_or_a_toml_array(text, want):
+    assert load_config(["--float8.filter_fqns", text]).float8.filter_fqns == want
+
+
+@pytest.mark.parametrize("text", ['["output", 3]', '["output"', "[output]"])
+def test_a_bad_array_on_the_command_line_is_one_line(text):
+    raises_config_error(["--float8.filter_fqns", text], "float8.filter_fqns", "from the command line")

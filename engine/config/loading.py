@@ -290,8 +290,7 @@ def _parsecli_value(key: str, text: str, f: dataclasses.Field) -> Any:
                 raise ValueError(text)
             value: Any = word in _TRUE_WORDS
         elif typ == list[str]:
-            # A list on the command line is comma-separated: --parallelism.pp_split_points layers.4,layers.8
-            value = [item.strip() for item in text.split(",") if item.strip()]
+            value = _cli_list(text)
         elif typ is float:
             # float() takes "nan"/"inf"; no hyperparameter here means either, so refuse them.
             value = float(text)
@@ -304,6 +303,24 @@ def _parsecli_value(key: str, text: str, f: dataclasses.Field) -> Any:
         raise ConfigError(f"{key} = {text!r} from the command line is not a valid {typ.__name__}"
                           f"{words}. Fix: e.g. --{key} {cli_value(_default(f))}") from None
     return _check_choice(key, value, f)
+
+
+def _cli_list(text: str) -> list[str]:
+    """A ``list[str]`` from the command line: comma-separated (``layers.4,layers.8``), or a TOML array
+    as ``--help`` and the config show it (``'["output", "router.gate"]'``; ``[]`` for none).
+
+    Raises:
+        ValueError: a bracketed value that is not a TOML array of strings.
+    """
+    if not text.strip().startswith("["):
+        return [item.strip() for item in text.split(",") if item.strip()]
+    try:
+        value = tomllib.loads(f"value = {text.strip()}")["value"]
+    except tomllib.TOMLDecodeError:
+        raise ValueError(text) from None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise ValueError(text)
+    return value
 
 
 def _check_choice(key: str, value: Any, f: dataclasses.Field) -> Any:

@@ -3,7 +3,7 @@
 One dataclass per TOML section (``[training]`` -> :class:`TrainingSection`). Each field carries
 ``metadata={"doc": ...}`` (shown by ``--help``) and, for enum-like strings, ``"choices"`` (the
 allowed values, checked at load time and by ``JobConfig.validate``). Field types are limited to
-``str``, ``int``, ``float``, ``bool`` and ``list[str]`` (a TOML array of strings; comma-separated on
+``str``, ``int``, ``float``, ``bool`` and ``list[str]`` (a TOML array of strings; comma-separated or a TOML array on
 the command line) so that a TOML value or one CLI token maps onto each.
 
 Loading, validation and serialisation live in :mod:`engine.config`; components receive one of
