@@ -104,8 +104,8 @@ def _extend(argv):
 
     class Catch(logging.Handler):
         def emit(self, record):
-            if "new phase from" in record.getMessage():
-                lines.append(record.getMessage())
+            if any(words in record.getMessage() for words in ("new phase", "fingerprint", "settings changed")):
+                lines.append((record.levelname, record.getMessage()))
 
     handler = Catch()
     logging.getLogger("quadra").addHandler(handler)
@@ -142,6 +142,14 @@ def test_context_extension_resumes_weights_and_optimizer_at_twice_the_length(tmp
         "checkpoint.initial_load_model_only": "false", "checkpoint.initial_load_lr": "restart"})
     ((step, position, adam_steps, lines), losses) = run_distributed(_extend, 1, phase, torchrun_env=False)[0]
     assert (step, position, adam_steps) == (0, 8, {2.0}), (step, position, adam_steps)
-    assert len(lines) == 1 and f"seq_len {SHORT_MAX} -> {SEQ_LEN}" in lines[0], lines
-    assert "restart at 0" in lines[0] and "data continues after 256 tokens (window 8)" in lines[0], lines
+    levels, texts = zip(*lines)
+    phase_line = [text for text in texts if text.startswith("new phase from")]
+    assert len(phase_line) == 1 and f"seq_len {SHORT_MAX} -> {SEQ_LEN}" in phase_line[0], lines
+    assert "restart at 0" in phase_line[0] and "data continues after 256 tokens (window 8)" in phase_line[0], lines
+    # A new phase is a new run by design: its fingerprint change is information (naming what changed,
+    # not the initial_load_* keys that start the phase), not a resume's warning.
+    fingerprint = [text for text in texts if "convergence fingerprint" in text]
+    assert set(levels) == {"INFO"} and len(fingerprint) == 1, lines
+    others = " ".join(text for text in texts if not text.startswith("new phase from"))
+    assert "training.seq_len: 16 -> 32" in fingerprint[0] and "initial_load" not in others, lines
     assert len(losses) == 2 and all(loss == loss for loss in losses), losses

@@ -142,7 +142,7 @@ class LoadingMixin:
             return
         self._log_once("resumed from %s in %.1f s (verified in %.2f s): step %d, %d tokens seen", candidate.path,
                        seconds, verified, self.trainer.step, self.trainer.tokens_seen)
-        self._log_changed_settings(candidate.marker or {})
+        self._log_changed_settings(candidate.marker or {}, phase=candidate.initial)
         self.loaded_marker = candidate.marker or {}  # its layout (engine/train/recovery.py compares it)
         self.last_saved_step = self.trainer.step  # do not save the same step again
 
@@ -319,8 +319,14 @@ class LoadingMixin:
                            "(saved with %s, now %s); no window is repeated or skipped", saved["position"],
                            {k: saved[k] for k in layout}, {k: mine[k] for k in layout})
 
-    def _log_changed_settings(self, marker: dict) -> None:
+    def _log_changed_settings(self, marker: dict, phase: bool = False) -> None:
+        """Name what changed since the checkpoint's run: every setting (one line), and the convergence
+        ones, which give this run another fingerprint (engine/config/fingerprint.py): a warning on a
+        resume, one information line for a new phase (``phase``: ``checkpoint.initial_load_path``,
+        which starts another run by design; its own ``checkpoint.initial_load_*`` keys are not named)."""
         changes = changed_settings(marker["config"], self.config_toml) if marker.get("config") else []
+        if phase:
+            changes = [change for change in changes if not change.startswith("checkpoint.initial_load")]
         if changes:
             self._log_once("settings changed since the checkpoint (the new values apply): %s", "; ".join(changes))
         saved = marker.get("fingerprint")
@@ -328,8 +334,14 @@ class LoadingMixin:
             return
         # Not refused: researchers do change the learning rate on resume; it must be visible.
         keys = convergence_changes(marker["config"], self.config_toml) if marker.get("config") else []
+        if phase:
+            keys = [change for change in keys if not change[0].startswith("checkpoint.initial_load")]
         named = describe(keys) or "the resolved global batch size (training.global_batch_size = -1 under other dp degrees)"
         self.fingerprint_change = {"from": saved, "to": self.fingerprint, "keys": [key for key, *_ in keys]}
+        if phase:
+            self._log_once("the new phase trains with another convergence fingerprint than the checkpoint's run "
+                           "(%s -> %s): %s", saved, self.fingerprint, named)
+            return
         self._log_once("resuming a run with another convergence fingerprint (%s -> %s): it no longer trains "
                        "the model the checkpoint's run trained: %s", saved, self.fingerprint, named,
                        level=logging.WARNING)
