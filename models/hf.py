@@ -72,19 +72,40 @@ def require(ok: bool, where: str, message: str) -> None:
         raise HFConfigError(f"{where}: {message}")
 
 
-def rope_from_config(config: dict, where: str) -> tuple[float, dict]:
-    """(rope_theta, LlamaModelArgs rope fields) from either config format (transformers 4's
-    ``rope_scaling``, 5's ``rope_parameters``): the default RoPE, Llama 3.1's "llama3" scaling, or
-    "yarn" (Qwen3's long-context scaling, as its model cards publish it: ``{"rope_type": "yarn",
-    "factor": 4.0, "original_max_position_embeddings": 32768}``; the attention factor is
-    transformers' default 0.1 * ln(factor) + 1)."""
+def rope_scaling_of(config: dict) -> tuple[float, str, dict]:
+    """(rope_theta, the scaling's kind, its fields) of a ``config.json`` in either format:
+    transformers 4's ``rope_theta`` and ``rope_scaling``, or 5's ``rope_parameters``; kind
+    "default" with no fields when the config scales nothing."""
     params = config.get("rope_parameters") or {}
     theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
-    scaling = config.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
-    kind = (scaling.get("rope_type") or scaling.get("type")) if scaling else "default"
+    scaling = config.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else {})
+    return theta, scaling.get("rope_type") or scaling.get("type") or "default", scaling
+
+
+def yarn_fields(config: dict, scaling: dict, where: str, default_positions: int) -> dict:
+    """The YaRN fields of the model arguments (Peng et al. 2023, "YaRN: Efficient Context Window
+    Extension of Large Language Models", sec. 3: the scale ``factor`` over the
+    ``original_max_position_embeddings``, the ramp's ``beta_fast`` / ``beta_slow``, default 32 / 1)
+    from a rope scaling of type "yarn"; a missing factor is max_position_embeddings / original, as in
+    transformers. Raises :class:`HFConfigError` for ``truncate = false``."""
+    require(scaling.get("truncate", True), where, "yarn truncate = false is not implemented")
+    positions = int(config.get("max_position_embeddings", default_positions))
+    original = int(scaling.get("original_max_position_embeddings") or positions)
+    return {"rope_scaling": "yarn", "rope_scaling_factor": float(scaling.get("factor") or positions / original),
+            "rope_original_max_seq_len": original, "rope_yarn_beta_fast": float(scaling.get("beta_fast") or 32),
+            "rope_yarn_beta_slow": float(scaling.get("beta_slow") or 1)}
+
+
+def rope_from_config(config: dict, where: str) -> tuple[float, dict]:
+    """(rope_theta, LlamaModelArgs rope fields) from either config format (:func:`rope_scaling_of`):
+    the default RoPE, Llama 3.1's "llama3" scaling, or "yarn" (Qwen3's long-context scaling, as its
+    model cards publish it: ``{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings":
+    32768}``; the attention factor is transformers' default 0.1 * ln(factor) + 1)."""
+    theta, kind, scaling = rope_scaling_of(config)
+    params = config.get("rope_parameters") or {}
     require(float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))) == 1.0, where,
             "partial_rotary_factor != 1 (RoPE on part of each head) is not implemented in Quadra's attention")
-    if kind in (None, "default"):
+    if kind == "default":
         return theta, {"rope_scaling": "none"}
     require(kind in ("llama3", "yarn"), where, f"RoPE scaling {kind!r} is not supported; Quadra implements the "
                                                 "default, Llama 3.1's \"llama3\" and \"yarn\"")
@@ -92,13 +113,7 @@ def rope_from_config(config: dict, where: str) -> tuple[float, dict]:
         for field in ("attention_factor", "mscale", "mscale_all_dim"):
             require(not scaling.get(field), where, f"rope_scaling {field} is set; Quadra's YaRN here takes the "
                                                    "attention factor 0.1 * ln(factor) + 1 (remove it)")
-        require(scaling.get("truncate", True), where, "yarn truncate = false is not implemented")
-        positions = int(config.get("max_position_embeddings", 32768))
-        original = int(scaling.get("original_max_position_embeddings") or positions)
-        return theta, {"rope_scaling": "yarn", "rope_scaling_factor": float(scaling.get("factor") or positions / original),
-                       "rope_original_max_seq_len": original,
-                       "rope_yarn_beta_fast": float(scaling.get("beta_fast") or 32),
-                       "rope_yarn_beta_slow": float(scaling.get("beta_slow") or 1)}
+        return theta, yarn_fields(config, scaling, where, default_positions=32768)
     return theta, {
         "rope_scaling": "llama3",
         "rope_scaling_factor": float(scaling["factor"]),

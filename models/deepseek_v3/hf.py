@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from models.hf import (HFAdapter, Rule, embedding_rule, head_rules, norm_rules, one, require, same,
-                       validated_args)
+from models.hf import (HFAdapter, Rule, embedding_rule, head_rules, norm_rules, one, require, rope_scaling_of, same,
+                       validated_args, yarn_fields)
 from models.llama.hf import feed_forward_rules
 from models.moe.hf import stack_transposed, unstack_transposed
 
@@ -35,22 +35,15 @@ __all__ = ["DEEPSEEK_V3_HF_ADAPTER"]
 
 
 def _rope(config: dict, where: str) -> dict:
-    """rope_theta and the YaRN fields of ``DeepseekV3ModelArgs`` from either config format."""
-    params = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else {})
-    kind = scaling.get("rope_type") or scaling.get("type") or "default"
-    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    """rope_theta and the YaRN fields of ``DeepseekV3ModelArgs`` from either config format, with
+    DeepSeek's mscale / mscale_all_dim (the attention factor is derived from them)."""
+    theta, kind, scaling = rope_scaling_of(config)
     if kind == "default":
         return dict(rope_theta=theta, rope_scaling="none")
     require(kind == "yarn", where, f"RoPE scaling {kind!r} is not supported; DeepSeek-V3 here has the default or \"yarn\"")
     require(scaling.get("attention_factor") is None, where, "rope attention_factor is set; Quadra derives it from "
                                                             "mscale / mscale_all_dim (remove attention_factor)")
-    require(scaling.get("truncate", True), where, "yarn truncate = false is not implemented")
-    original = int(scaling["original_max_position_embeddings"])
-    factor = scaling.get("factor") or int(config.get("max_position_embeddings", 4096)) / original
-    return dict(rope_theta=theta, rope_scaling="yarn", rope_scaling_factor=float(factor),
-                rope_original_max_seq_len=original, rope_yarn_beta_fast=float(scaling.get("beta_fast") or 32),
-                rope_yarn_beta_slow=float(scaling.get("beta_slow") or 1),
+    return dict(rope_theta=theta, **yarn_fields(config, scaling, where, default_positions=4096),
                 rope_yarn_mscale=float(scaling.get("mscale") or 0), rope_yarn_mscale_all_dim=float(scaling.get("mscale_all_dim") or 0))
 
 
