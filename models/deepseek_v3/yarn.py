@@ -9,23 +9,18 @@ temperature ("attention factor", eq. 22) is applied to the cos/sin tables, and D
 
 from __future__ import annotations
 
-import torch
+import torch  # noqa: F401  (annotations)
 
-from models.llama.rope import rope_frequencies, yarn_frequencies  # (re-exported)
+from models.llama.rope import precompute_rope, yarn_frequencies  # (yarn_frequencies re-exported)
 
 __all__ = ["yarn_frequencies", "deepseek_rope_tables"]
 
 
 def deepseek_rope_tables(args, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [max_seq_len, qk_rope_head_dim // 2] of a ``DeepseekV3ModelArgs``, float32 (float64
-    when that is torch's default dtype), times YaRN's attention factor when ``rope_scaling = "yarn"``."""
-    dim = args.qk_rope_head_dim
-    if args.yarn_enabled:
-        inv_freq = yarn_frequencies(dim, args.rope_theta, args.rope_scaling_factor, args.rope_original_max_seq_len,
-                                    args.rope_yarn_beta_fast, args.rope_yarn_beta_slow, device=device)
-    else:
-        inv_freq = rope_frequencies(dim, args.rope_theta, device=device)
-    angles = torch.outer(torch.arange(args.max_seq_len, device=device, dtype=torch.float64), inv_freq)
-    dtype = torch.promote_types(torch.get_default_dtype(), torch.float32)
-    factor = args.rope_attention_factor
-    return (angles.cos() * factor).to(dtype), (angles.sin() * factor).to(dtype)
+    when that is torch's default dtype), times YaRN's attention factor when ``rope_scaling = "yarn"``
+    (models/llama/rope.py ``precompute_rope`` with DeepSeek's attention factor)."""
+    yarn = ((args.rope_scaling_factor, args.rope_original_max_seq_len, args.rope_yarn_beta_fast,
+             args.rope_yarn_beta_slow) if args.yarn_enabled else None)
+    return precompute_rope(args.qk_rope_head_dim, args.max_seq_len, args.rope_theta, device, yarn=yarn,
+                           attention_factor=args.rope_attention_factor)

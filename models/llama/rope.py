@@ -77,14 +77,16 @@ def yarn_attention_factor(factor: float) -> float:
 def precompute_rope(
     head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None,
     scaling: tuple[float, float, float, int] | None = None,
-    yarn: tuple[float, int, float, float] | None = None,
+    yarn: tuple[float, int, float, float] | None = None, attention_factor: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE tables as real cos/sin (no complex dtype: friendlier to DTensor and torch.compile).
 
     angle[p, i] = p * f_i for position p < max_seq_len and pair i < head_dim/2, with the
     frequencies f of :func:`rope_frequencies` (``scaling``: Llama 3.1's, or None), or with
     ``yarn = (factor, original_max_seq_len, beta_fast, beta_slow)`` those of
-    :func:`yarn_frequencies` and both tables times :func:`yarn_attention_factor` (Qwen3's long context).
+    :func:`yarn_frequencies` and both tables times YaRN's attention factor: ``attention_factor``, or
+    by default :func:`yarn_attention_factor` (Qwen3's long context; DeepSeek-V3 derives its own from
+    mscale, models/deepseek_v3/args.py).
     Computed in float64 (positions up to 131072 lose ~1e-2 rad in float32), returned as float32
     (float64 when that is torch's default dtype: the float64 reference mode).
 
@@ -99,8 +101,9 @@ def precompute_rope(
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float64)
     angles = torch.outer(positions, inv_freq)
     dtype = torch.promote_types(torch.get_default_dtype(), torch.float32)
-    attention = yarn_attention_factor(yarn[0]) if yarn is not None else 1.0
-    return (angles.cos() * attention).to(dtype), (angles.sin() * attention).to(dtype)
+    if attention_factor is None:
+        attention_factor = yarn_attention_factor(yarn[0]) if yarn is not None else 1.0
+    return (angles.cos() * attention_factor).to(dtype), (angles.sin() * attention_factor).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
