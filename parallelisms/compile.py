@@ -14,6 +14,16 @@ unbacked symbols for every count, a recompilation or graph break per distinct ro
 static parts hold most of a block's elementwise work, which is what inductor fuses. Context
 parallel's ring is one custom operator (parallelisms/ring_attention.py), opaque to the compiler:
 a block that calls it stays one ``fullgraph`` graph.
+
+DeepSeek-V3 (models/deepseek_v3/model.py) follows the same rule, as TorchTitan compiles it per
+block: its multi-head latent attention (latent projections and RMSNorms, the RoPE key, YaRN's
+cos/sin tables and softmax scale, causal or document-masked attention) is the ``attention``, its
+group-limited router the ``router`` (group scores, top-k of groups and of experts: static shapes),
+its shared experts the ``shared_experts``; its first ``n_dense_layers`` blocks are dense and
+compiled whole. The blocks of the model's ``head_modules`` (multi-token prediction's depths,
+models/deepseek_v3/mtp.py) are ordinary blocks run on the main blocks' inputs and are compiled
+alike (:func:`compiled_blocks`); the rest of a depth (two RMSNorms, a concatenation, one
+projection) stays eager like the embedding and the output head.
 """
 
 from __future__ import annotations
@@ -33,14 +43,27 @@ def static_parts(block: nn.Module) -> list[nn.Module]:
     return [m for m in parts if m is not None]
 
 
+def compiled_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks :func:`apply_compile` compiles: those of ``model.layers``, then every instance of
+    the model's ``block_cls`` inside its ``head_modules`` (e.g. DeepSeek-V3's multi-token-prediction
+    depths ``mtp.<k>.block``; a pipeline stage without them has None there)."""
+    blocks = list(model.layers.values())
+    block_cls = getattr(model, "block_cls", None)
+    for name in getattr(model, "head_modules", ()):
+        head = getattr(model, name, None)
+        if head is not None and block_cls is not None:
+            blocks += [m for m in head.modules() if isinstance(m, block_cls)]
+    return blocks
+
+
 def apply_compile(model: nn.Module, backend: str = "inductor") -> int:
-    """Compile every block of ``model.layers`` in place with ``fullgraph=True`` (an MoE block: its
-    :func:`static_parts`); returns the number of modules compiled.
+    """Compile every block of :func:`compiled_blocks` in place with ``fullgraph=True`` (an MoE block:
+    its :func:`static_parts`); returns the number of modules compiled.
 
     ``fullgraph`` turns a graph break into an error at the first step instead of a silent slowdown.
     """
     compiled = 0
-    for block in model.layers.values():
+    for block in compiled_blocks(model):
         for module in static_parts(block):
             module.compile(backend=backend, fullgraph=True)
             compiled += 1

@@ -9,7 +9,7 @@ splits the routed experts.
 
 from __future__ import annotations
 
-from parallelisms.checks import ExpertParallelError, validate_expert_parallel, validate_tensor_parallel
+from parallelisms.checks import validate_expert_parallel, validate_tensor_parallel
 
 __all__ = ["validate_deepseek_v3_parallelism"]
 
@@ -24,17 +24,13 @@ def validate_deepseek_v3_parallelism(
         ``training.seq_len`` (tokens); device_type: "cuda"/"cpu"; compile_enabled: ``compile.enable``.
 
     Raises:
-        ExpertParallelError (a ValueError): ``num_experts`` not divisible by ``ep``; ``compile.enable``
-            (routing has data-dependent sizes that break a whole-block graph).
+        ExpertParallelError (a ValueError): ``num_experts`` not divisible by ``ep``. (``compile.enable``
+            compiles the blocks' static-shape parts, the multi-token-prediction blocks' too; routing
+            stays eager: parallelisms/compile.py.)
         TensorParallelError (a ValueError): n_heads, dim, the dense or shared-expert width or the
             vocabulary not divisible by tp, and the other tensor-parallel rules of parallelisms/checks.py.
     """
     validate_expert_parallel(parallelism_cfg.ep, model_args.num_experts)
-    if compile_enabled:
-        raise ExpertParallelError(
-            "compile.enable = true is not supported for model.name = \"deepseek_v3\" yet: blocks are compiled "
-            "whole (fullgraph), and token routing has data-dependent sizes (tokens per expert, all-to-all "
-            "splits) that break the graph. Set compile.enable = false.")
     divisible = {"dim": model_args.dim, "n_heads": model_args.n_heads}
     if model_args.n_shared_experts > 0:
         divisible["shared experts' width (n_shared_experts × moe_inter_dim)"] = (
