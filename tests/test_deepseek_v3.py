@@ -137,3 +137,25 @@ def test_tensor_parallel_degree_must_split_the_heads():
     with pytest.raises(TensorParallelError, match="n_heads"):
         validate_deepseek_v3_parallelism(deepseek_v3_flavors["debugmodel"], cfg.parallelism, seq_len=32,
                                          device_type="cpu", compile_enabled=False)
+
+
+def test_compile_is_accepted_and_compiles_the_mtp_blocks_static_parts():
+    """``compile.enable`` passes the start-up checks; :func:`apply_compile` compiles the dense block
+    whole and, in every MoE block, the main ones and the multi-token-prediction depths' alike, the
+    MLA, the group-limited router and the shared experts (training parity: tests/test_compile_parallel.py)."""
+    from types import SimpleNamespace
+
+    from models.deepseek_v3.checks import validate_deepseek_v3_parallelism
+    from models.deepseek_v3.model import DeepseekV3Transformer
+    from parallelisms.compile import apply_compile
+
+    args = deepseek_v3_flavors["debugmodel_mtp"]
+    cfg = SimpleNamespace(tp=1, ep=2, cp=1, sequence_parallel=True, loss_parallel=True, async_tp=False)
+    validate_deepseek_v3_parallelism(args, cfg, seq_len=32, device_type="cpu", compile_enabled=True)
+    model = DeepseekV3Transformer(args)
+    assert apply_compile(model, backend="aot_eager") == 1 + 3 * 2 + 3 * 2  # dense block; 2 MoE + 2 MTP blocks
+    compiled = {name for name, module in model.named_modules() if module._compiled_call_impl is not None}
+    for prefix in ("layers.1", "layers.2", "mtp.0.block", "mtp.1.block"):
+        assert {f"{prefix}.attention", f"{prefix}.feed_forward.router",
+                f"{prefix}.feed_forward.shared_experts"} <= compiled, (prefix, sorted(compiled))
+    assert "layers.0" in compiled and "mtp.0.eh_proj" not in compiled
