@@ -39,7 +39,7 @@ Cases (debugmodel, fp32, CPU, gloo; one intra-op thread per rank):
   a set's first start (later starts trust the record, as every start-up sample here does).
 - ``muon``: the engine's step with Muon over the same step with AdamW, 1 process and FSDP2 on 2
   (scripts/benchmarks/optimizers.py).
-- ``compile_parallel``: compiled over eager step time, cp 2 and ep 2 side by side
+- ``compile_parallel``: compiled over eager step time, cp 2, ep 2 and DeepSeek-V3 ep 2 side by side
   (scripts/benchmarks/compile_parallel.py).
 - ``data_prepare`` (optional: ``--only data_prepare``): scripts/prepare_data.py's preparation of the
   bundled corpus repeated 8 times (11.6M tokens, one jsonl, its Arrow conversion included) with

@@ -1,7 +1,8 @@
 """Benchmark case ``compile_parallel``: the engine's step compiled over eager, side by side, for context
 parallel (cp 2, the ring attention as one opaque custom operator inside the compiled blocks) and
 expert parallel (ep 2 on the MoE debug model: attention, router and shared experts compiled, routing
-and all-to-all eager; parallelisms/compile.py). Two processes each, interleaved rounds, medians of
+and all-to-all eager; parallelisms/compile.py), and ep 2 on DeepSeek-V3's debug model (MLA, the
+group-limited router and shared experts compiled, its dense block whole). Two processes each, interleaved rounds, medians of
 per-step ratios; inductor where a C++ compiler exists, else aot_eager. Compilation happens in the
 dropped warm-up steps.
 """
@@ -16,11 +17,13 @@ from scripts.benchmarks.harness import interleave, ratio_stat
 LAYOUTS = {
     "cp2": {"parallelism.cp": 2, "parallelism.dp_shard": 1},
     "ep2": {"model.name": "moe", "parallelism.dp_shard": 2, "parallelism.ep": 2},
+    "deepseek_v3_ep2": {"model.name": "deepseek_v3", "model.flavor": "debugmodel", "parallelism.dp_shard": 2,
+                        "parallelism.ep": 2},
 }
 
 
 def case_compile_parallel(b) -> None:
-    """Rows: compiled step / eager step for cp 2 and ep 2 (``b``: scripts/benchmark.py's Bench)."""
+    """Rows: compiled step / eager step for each of :data:`LAYOUTS` (``b``: scripts/benchmark.py's Bench)."""
     backend = "inductor" if shutil.which(os.environ.get("CXX", "g++")) else "aot_eager"
     compiled = {"compile.enable": "true", "compile.backend": backend}
     out = {"backend": backend}
