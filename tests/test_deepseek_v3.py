@@ -142,7 +142,7 @@ def test_tensor_parallel_degree_must_split_the_heads():
 def test_compile_is_accepted_and_compiles_the_mtp_blocks_static_parts():
     """``compile.enable`` passes the start-up checks; :func:`apply_compile` compiles the dense block
     whole and, in every MoE block, the main ones and the multi-token-prediction depths' alike, the
-    MLA, the group-limited router and the shared experts (training parity: tests/test_compile_parallel.py)."""
+    MLA, the group-limited router and the shared experts (training parity: tests/test_deepseek_v3_parallel.py)."""
     from types import SimpleNamespace
 
     from models.deepseek_v3.checks import validate_deepseek_v3_parallelism
