@@ -14,7 +14,7 @@ of one world size train in the same forked ranks (:class:`tests.training_utils.L
 Compiled (``compile.enable``, refused in the float64 reference mode, so in fp32 against an fp32 eager
 process with training_utils' tolerances): DeepSeek-V3 with every compiled part (MLA with the query
 latent, YaRN and the document mask, the dense block, the group-limited router, the shared expert and
-the two MTP depths' blocks; parallelisms/compile.py) in one process and under ep 2 × fsdp 2.
+the two MTP depths' blocks; parallelisms/compile.py) in one process, under ep 2 × fsdp 2 and under cp 2.
 """
 
 from __future__ import annotations
@@ -83,6 +83,9 @@ FP32_DOCUMENTS_MTP = {key: value for key, value in DOCUMENTS_MTP.items()
 COMPILED_LAYOUTS = {
     "ep2_x_fsdp2_documents_mtp_compiled": (2, {**FP32_DOCUMENTS_MTP, **COMPILED, "parallelism.dp_shard": 2,
                                                "parallelism.ep": 2, "training.local_batch_size": 4}),
+    # MLA's value heads narrower than its query-key heads through the ring's operator in a compiled block.
+    "cp2_documents_mtp_compiled": (2, {**FP32_DOCUMENTS_MTP, **COMPILED, "parallelism.cp": 2,
+                                       "parallelism.dp_shard": 1}),
 }
 
 REFERENCES = {"qlora": QLORA, "full_q": FULL_Q, "documents": DOCUMENTS, "mtp": MTP, "mtp_unfused": MTP_UNFUSED,
