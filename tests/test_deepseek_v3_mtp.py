@@ -10,6 +10,7 @@ labels[k:] (token t+1+k), the objective main + weight · mean over depths, in fl
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -85,6 +86,22 @@ def test_mtp_objective_equals_plain_recomputation(model, chunk_tokens, documents
     # logged: each depth's mean over its targets, averaged over depths (it also moves the routing biases)
     logged = model.post_optimizer_step()["mtp_loss"][0]
     assert torch.allclose(logged, sum(s / c for s, c in zip(sums, counts)) / len(sums), rtol=1e-12)
+
+
+def test_routing_metrics_average_over_every_routed_block_the_mtp_depths_included(model):
+    """``moe_balance_loss`` (1.0 when balanced) and the tokens-per-expert cv are means over every MoE
+    block that routed tokens: the MTP depths' blocks route too (their sum over the main blocks' count
+    logged 2.0 for a balanced model)."""
+    tokens, labels, _ = _batch(model.model_args.vocab_size, False)
+    model.set_aux_loss_scale(tokens.shape[0])  # a mean over the step's sequences, as the trainer sets it
+    for layer in model.moe_layers():
+        layer.reset_stats()
+    model(tokens, labels=labels)
+    layers = model.moe_layers()
+    assert len(layers) == model.model_args.n_routed_blocks > model.model_args.n_moe_layers
+    want = sum(float(layer.balance_loss_sum) for layer in layers) / len(layers)
+    got = float(model.post_optimizer_step()["moe_balance_loss"][0])
+    assert math.isclose(got, want, rel_tol=1e-12) and 0.5 < got < 2.0, (got, want)
 
 
 def test_mtp_gradient_reaches_the_shared_embedding_through_every_depth(model):

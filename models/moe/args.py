@@ -73,6 +73,12 @@ class MoEModelArgs(LlamaModelArgs):
         return max(self.n_layers - self.n_dense_layers, 0)
 
     @property
+    def n_routed_blocks(self) -> int:
+        """MoE feed-forwards in the whole model, every block that routes tokens (the routing metrics'
+        average runs over them): :attr:`n_moe_layers` here; DeepSeek-V3 adds its MTP depths' blocks."""
+        return self.n_moe_layers
+
+    @property
     def expert_params(self) -> int:
         """Parameters of one routed expert: w1, w3 [dim, moe_inter_dim] and w2 [moe_inter_dim, dim]."""
         return 3 * self.dim * self.moe_inter_dim

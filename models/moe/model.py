@@ -81,13 +81,13 @@ class MoETransformer(Transformer):
             {name: (0-dim float64 tensor, on any device, how to merge with other parts / stages)}:
             ``moe_tokens_per_expert_min`` / ``_max`` ("min" / "max") over layers and experts;
             ``moe_tokens_per_expert_cv`` (std / mean of a layer's counts, averaged over the model's
-            MoE layers, "sum"); ``moe_balance_loss`` (the sequence-wise balance loss, mean over
-            sequences, averaged over MoE layers, 1.0 when balanced; the objective adds
+            MoE layers, multi-token prediction's included: ``n_routed_blocks``, "sum"); ``moe_balance_loss``
+            (the sequence-wise balance loss, mean over sequences, averaged over them, 1.0 when balanced; the objective adds
             aux_loss_coeff times it, "sum"); ``moe_dropped_slots`` (slots over capacity, "sum").
             A part without MoE layers returns neutral values, so every stage reports the same keys.
         """
         layers = self.moe_layers()
-        n_total = self.model_args.n_moe_layers
+        n_total = self.model_args.n_routed_blocks
         if not layers:
             neutral = {"min": float("inf"), "max": float("-inf"), "sum": 0.0}
             return {name: (torch.tensor(neutral[op], dtype=torch.float64), op) for name, op in _METRIC_OPS.items()}
