@@ -56,15 +56,29 @@ def compiled_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def apply_compile(model: nn.Module, backend: str = "inductor") -> int:
-    """Compile every block of :func:`compiled_blocks` in place with ``fullgraph=True`` (an MoE block:
-    its :func:`static_parts`); returns the number of modules compiled.
+def compiled_modules(model: nn.Module) -> list[nn.Module]:
+    """What :func:`apply_compile` compiles: each of :func:`compiled_blocks`, or its :func:`static_parts`."""
+    return [module for block in compiled_blocks(model) for module in static_parts(block)]
 
-    ``fullgraph`` turns a graph break into an error at the first step instead of a silent slowdown.
+
+def apply_compile(model: nn.Module, backend: str = "inductor", *, distributed: bool = False) -> int:
+    """Compile every module of :func:`compiled_modules` in place with ``fullgraph=True``; returns how
+    many. ``fullgraph`` turns a graph break into an error at the first step instead of a silent slowdown.
+
+    ``distributed`` (world size > 1) turns AOTAutograd's on-disk cache off for this process
+    (``torch._functorch.config.enable_autograd_cache``): its key does not hold the process-group
+    names that DTensor's redistributions and the functional collectives bake into the compiled code,
+    and the ranks of one mesh dimension's different groups (tp "15" on ranks 0-1, "16" on ranks 2-3)
+    then share entries, so a rank loads code naming a group it is not in: "Could not resolve the
+    process group registered under the name 16" (MoE under ep 2 × tp 2, inductor, at the first
+    evaluation or the next run). Inductor's FX graph cache, keyed on the graph after AOTAutograd, group
+    names included, stays on: a restarted run still reuses the generated kernels.
     """
-    compiled = 0
-    for block in compiled_blocks(model):
-        for module in static_parts(block):
-            module.compile(backend=backend, fullgraph=True)
-            compiled += 1
-    return compiled
+    if distributed:
+        import torch._functorch.config
+
+        torch._functorch.config.enable_autograd_cache = False
+    modules = compiled_modules(model)
+    for module in modules:
+        module.compile(backend=backend, fullgraph=True)
+    return len(modules)

@@ -129,7 +129,7 @@ def parallelize(
         apply_cp(model, context_parallel, rotate_method=parallelism_cfg.cp_rotate_method)
     apply_activation_checkpointing(model, ac_cfg.mode, ac_cfg.selective_ac_option)
     if compile_cfg.enable:
-        apply_compile(model, backend=compile_cfg.backend)
+        apply_compile(model, backend=compile_cfg.backend, distributed=parallel_dims.world_size > 1)
     if parallel_dims.fsdp_enabled:
         if experts is not None and parallel_dims.ep_enabled:  # always FSDP with ep > 1: ep divides dp_shard × cp
             shard_experts([layer.experts for layer in experts.layers(model)], parallel_dims,

@@ -160,3 +160,44 @@ def test_compile_parity(reference, tmp_path):
     argv = base_args(str(tmp_path), {"compile.enable": "true"})
     (history,) = run_distributed(train_and_record, 1, argv, torchrun_env=False, timeout=400)
     assert_parity(history, reference)
+
+
+def _compile_setup(argv: list[str]) -> tuple[list[str], bool]:
+    """Build a Trainer (no step): (its "compile (" log lines, AOTAutograd's cache switch after it)."""
+    import logging
+
+    import torch._functorch.config
+
+    from engine.config import load_config
+    from engine.train.trainer import Trainer
+
+    lines: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("compile ("):
+                lines.append(record.getMessage())
+
+    handler = Catch()
+    logging.getLogger("quadra").addHandler(handler)
+    logging.getLogger("quadra").setLevel(logging.INFO)  # an info line, as the trainer's others
+    try:
+        Trainer(load_config(argv)).close()
+    finally:
+        logging.getLogger("quadra").removeHandler(handler)
+    return lines, torch._functorch.config.enable_autograd_cache
+
+
+def test_compile_says_what_it_compiles_and_ranks_keep_no_shared_autograd_cache(tmp_path):
+    """One line names the backend and the modules compiled (the MoE debug flavor's 1 dense block, and
+    attention, router and shared experts of each of its 3 MoE blocks: 10). With several ranks
+    AOTAutograd's on-disk cache is off: its key misses the process-group names baked into the code,
+    so the ranks of different tp groups loaded each other's graphs (parallelisms/compile.py); one
+    process keeps it."""
+    overrides = {"model.name": "moe", "model.flavor": "debugmodel", "compile.enable": "true"}
+    ((lines, cache_on),) = run_distributed(_compile_setup, 1, base_args(str(tmp_path / "one"), overrides),
+                                           torchrun_env=False)
+    assert cache_on and len(lines) == 1 and lines[0].startswith("compile (inductor, fullgraph): 10 modules"), lines
+    for lines, cache_on in run_distributed(_compile_setup, 2, base_args(str(tmp_path / "two"), {
+            **overrides, "parallelism.dp_shard": 1, "parallelism.tp": 2})):
+        assert not cache_on and len(lines) == 1 and ": 10 modules per rank" in lines[0], lines

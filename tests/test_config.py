@@ -233,6 +233,7 @@ def test_wrong_type_on_cli(argv, fragments):
     ("comm.backend", "mpi", "auto|nccl|gloo"),
     ("activation_checkpoint.mode", "partial", "none|full|selective"),
     ("job.device", "tpu", "auto|cpu|cuda"),
+    ("compile.backend", "foo", "inductor|aot_eager|eager"),
 ])
 def test_enum_value_not_allowed(tmp_path, key, value, allowed):
     raises_config_error([f"--{key}", value], key, value, allowed)

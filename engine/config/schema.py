@@ -316,7 +316,9 @@ class CompileSection:
     """``[compile]``: torch.compile of each transformer block."""
 
     enable: bool = _opt(False, "torch.compile the model blocks")
-    backend: str = _opt("inductor", "torch.compile backend")
+    backend: str = _opt("inductor", "torch.compile backend: inductor (generated kernels), aot_eager (the same "
+                        "forward and backward graphs run by eager kernels: a debugging aid), eager (Dynamo's "
+                        "graph only)", choices=("inductor", "aot_eager", "eager"))
 
 
 @dataclass

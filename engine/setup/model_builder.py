@@ -109,4 +109,11 @@ def build_model_parts(cfg, spec: ModelSpec, args, *, parallel_dims=None, pp_plan
             materialize(part, device, t.seed)
         if hasattr(part, "mtp_weight"):  # a model with multi-token prediction: [loss] mtp_weight
             part.mtp_weight = cfg.loss.mtp_weight
+    if plan is not None and cfg.compile.enable:
+        from parallelisms.compile import compiled_modules
+
+        logging.getLogger("quadra").info(
+            "compile (%s, fullgraph): %d modules per rank, each block (an MoE block: its attention, router and "
+            "shared experts; token routing and the all-to-all stay eager); the first step compiles", cfg.compile.backend,
+            sum(len(compiled_modules(part)) for part in parts))
     return parts, nparams, flops_per_token
