@@ -372,7 +372,8 @@ def resolve_model(model_cfg, *, seq_len: int, tokenizer_vocab_size: int):
 
 
 def long_context_warning(base, seq_len: int, label: str) -> str | None:
-    """One line when ``seq_len`` exceeds the ``max_seq_len`` the model ``base`` was trained for, else None.
+    """One line when ``seq_len`` exceeds the ``max_seq_len`` the model ``base`` is made for (its flavor's or
+    checkpoint's trained length), else None.
 
     Longer positions train (the RoPE tables are sized to ``seq_len``); how meaningful they are depends
     on the frequencies, which the line names (``rope_summary`` of the family's args: Llama 3.1's llama3
@@ -381,6 +382,7 @@ def long_context_warning(base, seq_len: int, label: str) -> str | None:
     if seq_len <= base.max_seq_len:
         return None
     summary = getattr(base, "rope_summary", "unknown")
-    return (f"training.seq_len = {seq_len} is past the max_seq_len {base.max_seq_len} model {label} was trained for "
-            f"({seq_len / base.max_seq_len:g}x): positions {base.max_seq_len}..{seq_len - 1} train with RoPE {summary}; "
+    return (f"training.seq_len = {seq_len} is past the max_seq_len {base.max_seq_len} model {label} is made for "
+            f"({seq_len / base.max_seq_len:g}x), positions {base.max_seq_len}..{seq_len - 1} included; RoPE frequencies "
+            f"(of every position): {summary}; "
             f"checkpoints and Hugging Face exports record max_seq_len = {seq_len}")

@@ -152,4 +152,6 @@ def test_context_extension_resumes_weights_and_optimizer_at_twice_the_length(tmp
     assert set(levels) == {"INFO"} and len(fingerprint) == 1, lines
     others = " ".join(text for text in texts if not text.startswith("new phase from"))
     assert "training.seq_len: 16 -> 32" in fingerprint[0] and "initial_load" not in others, lines
+    assert "job.dump_folder" not in others and "resumed" not in others, lines
+    assert any(text.startswith("new phase loaded from") and ": step 0," in text for text in texts), lines
     assert len(losses) == 2 and all(loss == loss for loss in losses), losses

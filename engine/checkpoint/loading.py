@@ -140,7 +140,8 @@ class LoadingMixin:
             self._log_once("loaded model weights from %s (%.1f s, verified in %.2f s); optimizer, schedule and "
                            "data start fresh at step 0", candidate.path, seconds, verified)
             return
-        self._log_once("resumed from %s in %.1f s (verified in %.2f s): step %d, %d tokens seen", candidate.path,
+        self._log_once("%s %s in %.1f s (verified in %.2f s): step %d, %d tokens seen",
+                       "new phase loaded from" if candidate.initial else "resumed from", candidate.path,
                        seconds, verified, self.trainer.step, self.trainer.tokens_seen)
         self._log_changed_settings(candidate.marker or {}, phase=candidate.initial)
         self.loaded_marker = candidate.marker or {}  # its layout (engine/train/recovery.py compares it)
@@ -325,8 +326,8 @@ class LoadingMixin:
         resume, one information line for a new phase (``phase``: ``checkpoint.initial_load_path``,
         which starts another run by design; its own ``checkpoint.initial_load_*`` keys are not named)."""
         changes = changed_settings(marker["config"], self.config_toml) if marker.get("config") else []
-        if phase:
-            changes = [change for change in changes if not change.startswith("checkpoint.initial_load")]
+        if phase:  # a new run by design: its own folder and the keys that start it are no news
+            changes = [change for change in changes if not change.startswith(("checkpoint.initial_load", "job.dump_folder"))]
         if changes:
             self._log_once("settings changed since the checkpoint (the new values apply): %s", "; ".join(changes))
         saved = marker.get("fingerprint")
