@@ -109,7 +109,8 @@ class ParallelDims:
             raise ParallelismError(
                 f"parallelism.ep = {self.ep} must divide dp_shard×cp = {self.dp_shard * self.cp} and be a "
                 f"multiple of cp = {self.cp}: each expert-parallel group is a block of dp_shard ranks "
-                f"times every cp rank. Set parallelism.ep to one of {valid} (or raise dp_shard)."
+                f"times every cp rank. Set parallelism.ep to one of {valid} (or raise dp_shard"
+                + (f", e.g. with a smaller dp_replicate, now {self.dp_replicate})." if self.dp_replicate > 1 else ").")
             )
 
     # ------------------------------------------------------------------ degrees by use

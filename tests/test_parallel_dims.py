@@ -39,6 +39,7 @@ def test_modes_by_degrees():
         ({"world_size": 2, "dp_replicate": 0}, "parallelism.dp_replicate = 0"),
         ({"world_size": 4, "ep": 3}, "parallelism.ep = 3 must divide dp_shard×cp = 4"),
         ({"world_size": 4, "tp": 2, "ep": 4}, r"Set parallelism.ep to one of \[1, 2\]"),
+        ({"world_size": 2, "dp_replicate": 2, "ep": 2}, r"or raise dp_shard, e.g. with a smaller dp_replicate, now 2\)"),
     ],
 )
 def test_invalid_degrees(kwargs, message):
@@ -93,7 +94,7 @@ def test_seq_len_over_model_maximum_trains_with_rope_tables_of_that_length():
     assert args.max_seq_len == 4096
     base = spec.flavors["debugmodel"]
     assert "max_seq_len 2048" in long_context_warning(base, 4096, "llama/debugmodel")
-    assert "RoPE none (rope_theta 500000, unscaled)" in long_context_warning(base, 4096, "x")
+    assert "RoPE frequencies (of every position): none (rope_theta 500000, unscaled)" in long_context_warning(base, 4096, "x")
     assert long_context_warning(base, 2048, "x") is None
     yarn = get_model_spec("deepseek_v3").flavors["debugmodel"]
     assert "YaRN (factor 4, original_max_seq_len 512" in long_context_warning(yarn, 4096, "x")

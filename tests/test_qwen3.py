@@ -333,7 +333,7 @@ def test_yarn_is_validated_and_named_past_the_trained_length():
     yarn = dataclasses.replace(base, rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_max_seq_len=512)
     yarn.validate()
     line = long_context_warning(yarn, 2 * base.max_seq_len, "qwen3/debugmodel_tiny")
-    assert "RoPE YaRN (factor 4, original_max_seq_len 512, beta_fast 32, beta_slow 1)" in line, line
+    assert "RoPE frequencies (of every position): YaRN (factor 4, original_max_seq_len 512, beta_fast 32, beta_slow 1)" in line, line
     for bad in (dict(rope_scaling_factor=0.5), dict(rope_yarn_beta_fast=0.5), dict(rope_scaling="ntk")):
         with pytest.raises(ValueError, match="rope_scaling|yarn RoPE scaling"):
             dataclasses.replace(yarn, **bad).validate()
