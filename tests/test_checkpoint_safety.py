@@ -63,6 +63,15 @@ def test_bad_checkpoint_settings_fail_before_training(seeded_run, tmp_path):
         "initial_load_path": ({"job.dump_folder": str(tmp_path / "fresh2"),
                                "checkpoint.initial_load_path": str(not_dcp)},
                               ["checkpoint.initial_load_path", "is not a DCP checkpoint folder"]),
+        "initial_load_path missing": (
+            {"job.dump_folder": str(tmp_path / "fresh4"),
+             "checkpoint.initial_load_path": os.path.join(seeded_run, "checkpoint", "step-9")},
+            ["step-9' does not exist", "checkpoint holds step-0"]),
+        "initial_load_path a run's folder": (
+            {"job.dump_folder": str(tmp_path / "fresh5"),
+             "checkpoint.initial_load_path": os.path.join(seeded_run, "checkpoint")},
+            ["is a run's checkpoint folder, not one checkpoint", "e.g. the newest: " + os.path.join(
+                seeded_run, "checkpoint", "step-0")]),
         "full load of weights only": (
             {"job.dump_folder": str(tmp_path / "fresh3"), "checkpoint.initial_load_model_only": "false",
              "checkpoint.initial_load_path": os.path.join(seeded_run, "checkpoint", "step-0")},

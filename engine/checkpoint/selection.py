@@ -80,17 +80,35 @@ def plan_load(cfg, folder: str) -> LoadPlan | None:
         return LoadPlan([_candidate(step, steps[step]) for step in sorted(steps, reverse=True)])
     if cfg.initial_load_path:
         path = cfg.initial_load_path
-        if not os.path.isfile(os.path.join(path, files.DCP_METADATA)):
-            raise CheckpointError(
-                f"checkpoint.initial_load_path = {path!r} is not a DCP checkpoint folder (no "
-                f"{files.DCP_METADATA} in it). Fix: point it at a step-N folder of another run, or "
-                "at a folder written by scripts/convert_checkpoint.py from-torch")
+        problem = initial_load_problem(path)
+        if problem:
+            raise CheckpointError(problem)
         # A folder without quadra.json (written elsewhere) is not damaged: it has no manifest.
         # A full load of a weights-only folder fails in the manager with a clear message.
         marker = files.read_marker(path) or {"step": 0}
         return LoadPlan([Candidate(path, int(marker.get("step", 0)), cfg.initial_load_model_only, marker, initial=True)],
                         f"checkpoint.initial_load_path = {path!r}", "point it at another checkpoint")
     logger.info("no checkpoint in %s: starting from step 0", folder)
+    return None
+
+
+def initial_load_problem(path: str) -> str | None:
+    """Why ``checkpoint.initial_load_path`` cannot be loaded as one DCP checkpoint, in one line with
+    the fix (a path that does not exist, a run's checkpoint folder instead of one of its step-N
+    folders, a folder without DCP's metadata), or None. Torch-free: the launcher's pre-flight asks."""
+    where = f"checkpoint.initial_load_path = {path!r}"
+    if not os.path.exists(path):
+        parent = os.path.dirname(os.path.normpath(path)) or "."
+        steps = sorted(files.scan(parent).complete) if os.path.isdir(parent) else []
+        found = f"; {parent} holds {', '.join(f'step-{n}' for n in steps)}" if steps else ""
+        return f"{where} does not exist{found}. Fix: point it at a step-N folder of another run"
+    if not os.path.isfile(os.path.join(path, files.DCP_METADATA)):
+        steps = sorted(files.scan(path).complete)
+        if steps:
+            return (f"{where} is a run's checkpoint folder, not one checkpoint. Fix: choose one of its steps, "
+                    f"e.g. the newest: {os.path.join(path, f'step-{steps[-1]}')}")
+        return (f"{where} is not a DCP checkpoint folder (no {files.DCP_METADATA} in it). Fix: point it at a "
+                "step-N folder of another run, or at a folder written by scripts/convert_checkpoint.py from-torch")
     return None
 
 

@@ -209,11 +209,15 @@ def _check_initial_load(cfg, args, label: str) -> None:
     import os
 
     from engine.checkpoint.files import CheckpointError, read_marker, scan
+    from engine.checkpoint.selection import initial_load_problem
     from models.registry import args_from_record, first_args_difference
 
     path = cfg.checkpoint.initial_load_path
     if not path or not cfg.checkpoint.enable or scan(os.path.join(cfg.run_folder, cfg.checkpoint.folder)).complete:
         return
+    problem = initial_load_problem(path)
+    if problem:
+        raise CheckpointError(problem)
     record = (read_marker(path) or {}).get("model")
     if record is None:
         return
