@@ -64,9 +64,11 @@ def test_logged_steps_carry_the_split(tmp_path):
             assert math.isclose(sum(parts.values()), step, rel_tol=1e-6), times
             assert times[f"time_comm_{dim}_s"] > 0, times  # attributed to its mesh dim, not "other"
             assert "time_comm_other_s" not in times, times
-            assert times["time_compute_s"] > 0.3 * step, times
-        # The phases cover the step: a phase left unmeasured would show on every step; a rank
-        # descheduled between two phases (other load on the cores) on some only.
+        # Compute is attributed and the phases cover the step, on the best of the 3 steps: compute
+        # counted as something else, or a phase left unmeasured, would show on every step; a peer rank
+        # descheduled by other load on the cores stretches this rank's wait (exposed communication) or
+        # a gap between phases on some steps only (a fresh-clone CI run: compute 0.16 s of a 0.64 s step).
+        assert max(t["time_compute_s"] / t["time_step_s"] for t in records) > 0.3, records
         assert min(abs(t["time_other_s"]) / t["time_step_s"] for t in records) < 0.1, records
         if name == "pp2":
             assert all(t["time_bubble_s"] > 0 for t in records), records
