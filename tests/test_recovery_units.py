@@ -106,3 +106,25 @@ def test_the_watchdog_writes_the_stacks_and_ends_a_rank_without_progress(tmp_pat
     assert text.startswith("rank 3: no progress for") and " in step 5 " in text
     assert "in test_the_watchdog_writes_the_stacks" in text  # the main thread's stack, not only its own
     watchdog.close()
+
+
+def test_a_fired_watchdog_ends_its_rank_only_once_every_rank_wrote_its_record(tmp_path):
+    """torchrun's agent stops every rank when one exits: a rank whose watchdog fired first must wait
+    for the others' records (their watchdogs fire up to a poll later), or the verdict lacks them."""
+    import threading
+    import time
+
+    from engine.observe.hang import HangWatchdog, hang_folder
+
+    ended = threading.Event()
+    watchdog = HangWatchdog(0.2, str(tmp_path), rank=1, exit=lambda code: ended.set(), world_size=2)
+    folder = hang_folder(str(tmp_path), 0)
+    deadline = time.monotonic() + 5
+    while not os.path.exists(os.path.join(folder, "rank-1.txt")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert os.path.exists(os.path.join(folder, "rank-1.txt")), "the watchdog did not fire"
+    assert not ended.wait(0.5), "it ended its rank before rank 0's record was written"
+    with open(os.path.join(folder, "rank-0.txt"), "w") as f:
+        f.write("rank 0: no progress")
+    assert ended.wait(5), "it did not end its rank once every record was there"
+    watchdog.close()

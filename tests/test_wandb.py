@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import struct
 
 import pytest
@@ -72,7 +73,8 @@ def test_offline_run_stopped_and_resumed_is_one_run_with_the_metrics(tmp_path, m
 
     folders = sorted(glob.glob(str(run / "wandb" / "offline-run-*")))
     assert len(folders) == 2, folders  # one per launch, of the same run:
-    ids = {folder.rsplit("-", 1)[1] for folder in folders}
+    # offline-run-<date>_<time>-<run id>; W&B appends "-1" to a second folder of the same second.
+    ids = {re.match(r"offline-run-\d{8}_\d{6}-([^-]+)", os.path.basename(folder)).group(1) for folder in folders}
     assert len(ids) == 1, ids
     history: dict[int, set[str]] = {}
     runs = []

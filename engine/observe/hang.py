@@ -12,8 +12,11 @@ checks the time since the last beat and, past the timeout, writes
   group (``torch._C._distributed_c10d._dump_fr_trace_json``: gloo and NCCL; it records when
   ``TORCH_FR_BUFFER_SIZE`` > 0 is set before the process group is created, which the launcher does),
 
-then exits with :data:`HANG_EXIT`. Every rank's watchdog fires, the stuck one's too (the thread
-runs while its main thread sleeps or waits). The launcher (engine/launch/elastic.py) compares the
+then, once every rank's record is there (or :data:`RECORD_WAIT_S` passed), exits with
+:data:`HANG_EXIT`. Every rank's watchdog fires, the stuck one's too (the thread runs while its main
+thread sleeps or waits), within a poll of each other; a rank must not end before the others wrote:
+torchrun's agent stops every rank as soon as one exits, and the records the verdict compares would
+be lost (seen: only the sleeping rank's record, and the verdict "no rank progressed"). The launcher (engine/launch/elastic.py) compares the
 records with :func:`missing_ranks`: per process group, the ranks whose newest collective sequence
 number is below the others' never entered the collective the others wait in.
 
@@ -36,6 +39,7 @@ logger = logging.getLogger("quadra")
 
 HANG_EXIT = 124  # the exit status of a rank ended by its hang watchdog (timeout(1)'s convention)
 FR_BUFFER = "2000"  # Flight Recorder entries per process group the launcher asks for
+RECORD_WAIT_S = 30.0  # how long a rank that wrote its hang record waits for the other ranks' records
 
 
 def hang_folder(run_folder: str, attempt: int) -> str:
@@ -55,12 +59,13 @@ class HangWatchdog:
         timeout_s: seconds without a :meth:`beat` after which the rank is hung; <= 0: no watchdog.
         run_folder: the run folder (records go to ``hangs/attempt-K`` in it).
         rank: this global rank.
-        exit: called with :data:`HANG_EXIT` after the record is written (``os._exit``; tests pass
+        exit: called with :data:`HANG_EXIT` after the records are written (``os._exit``; tests pass
             another callable).
+        world_size: ranks whose records (``rank-R.txt``) are awaited before ``exit``.
     """
 
-    def __init__(self, timeout_s: float, run_folder: str, rank: int, exit=os._exit):
-        self.timeout_s, self.rank, self._exit = timeout_s, rank, exit
+    def __init__(self, timeout_s: float, run_folder: str, rank: int, exit=os._exit, world_size: int = 1):
+        self.timeout_s, self.rank, self._exit, self.world_size = timeout_s, rank, exit, world_size
         self.folder = hang_folder(run_folder, attempt_number())
         self._last = time.monotonic()
         self._step = 0
@@ -85,9 +90,17 @@ class HangWatchdog:
             if idle > self.timeout_s:
                 try:
                     self._report(idle)
+                    self._await_records()
                 finally:  # the attempt ends even when the record cannot be written
                     self._exit(HANG_EXIT)
                 return
+
+    def _await_records(self) -> None:
+        """Wait until every rank's record is in the folder, at most :data:`RECORD_WAIT_S` seconds."""
+        deadline = time.monotonic() + RECORD_WAIT_S
+        while (len(glob.glob(os.path.join(self.folder, "rank-*.txt"))) < self.world_size
+               and time.monotonic() < deadline):
+            time.sleep(0.1)
 
     def _report(self, idle: float) -> None:
         """Write this rank's Flight Recorder record, then its stacks (the .txt last: its presence

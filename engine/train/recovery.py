@@ -86,7 +86,8 @@ class RunRecovery:
         if self.watchdog is not None:
             self.watchdog.beat(step)
         elif self._training:
-            self.watchdog = HangWatchdog(self.cfg.comm.hang_timeout_seconds, self.trainer.run_folder, self.rank)
+            self.watchdog = HangWatchdog(self.cfg.comm.hang_timeout_seconds, self.trainer.run_folder, self.rank,
+                                         world_size=self.trainer.dist.world_size)
         if self.ledger is not None:
             self.ledger.step_done(step, seconds)
 
