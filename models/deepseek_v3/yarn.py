@@ -20,7 +20,5 @@ def deepseek_rope_tables(args, device=None) -> tuple[torch.Tensor, torch.Tensor]
     """cos/sin [max_seq_len, qk_rope_head_dim // 2] of a ``DeepseekV3ModelArgs``, float32 (float64
     when that is torch's default dtype), times YaRN's attention factor when ``rope_scaling = "yarn"``
     (models/llama/rope.py ``precompute_rope`` with DeepSeek's attention factor)."""
-    yarn = ((args.rope_scaling_factor, args.rope_original_max_seq_len, args.rope_yarn_beta_fast,
-             args.rope_yarn_beta_slow) if args.yarn_enabled else None)
-    return precompute_rope(args.qk_rope_head_dim, args.max_seq_len, args.rope_theta, device, yarn=yarn,
-                           attention_factor=args.rope_attention_factor)
+    return precompute_rope(args.qk_rope_head_dim, args.max_seq_len, args.rope_theta, device,
+                           yarn=args.rope_yarn_params, attention_factor=args.rope_attention_factor)
