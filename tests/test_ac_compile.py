@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from tests.dist_utils import run_distributed
-from tests.training_utils import assert_parity, base_args, train_and_record
+from tests.training_utils import assert_parity, base_args, quadra_log_lines, train_and_record
 
 pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)
 
@@ -164,28 +164,14 @@ def test_compile_parity(reference, tmp_path):
 
 def _compile_setup(argv: list[str]) -> tuple[list[str], bool]:
     """Build a Trainer (no step): (its "compile (" log lines, AOTAutograd's cache switch after it)."""
-    import logging
-
     import torch._functorch.config
 
     from engine.config import load_config
     from engine.train.trainer import Trainer
 
-    lines: list[str] = []
-
-    class Catch(logging.Handler):
-        def emit(self, record):
-            if record.getMessage().startswith("compile ("):
-                lines.append(record.getMessage())
-
-    handler = Catch()
-    logging.getLogger("quadra").addHandler(handler)
-    logging.getLogger("quadra").setLevel(logging.INFO)  # an info line, as the trainer's others
-    try:
+    with quadra_log_lines("compile (") as lines:
         Trainer(load_config(argv)).close()
-    finally:
-        logging.getLogger("quadra").removeHandler(handler)
-    return lines, torch._functorch.config.enable_autograd_cache
+    return [message for _, message in lines], torch._functorch.config.enable_autograd_cache
 
 
 def test_compile_says_what_it_compiles_and_ranks_keep_no_shared_autograd_cache(tmp_path):

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 
 import pytest
 
 from tests.dist_utils import run_distributed
-from tests.training_utils import FLAVOR, SEQ_LEN, assert_parity, base_args, clipping_sides, train_and_record
+from tests.training_utils import (FLAVOR, SEQ_LEN, assert_parity, base_args, clipping_sides, quadra_log_lines,
+                                  train_and_record)
 
 # The model the tests extend: the suite's flavor "trained" for half the tests' sequence length, with
 # Llama 3.1's RoPE scaling (original length 8 tokens, so the scaled band covers these positions).
@@ -31,19 +31,8 @@ def _short_record(folder) -> str:
 
 def _train_and_count_warnings(argv):
     """(history, how many long-context warnings this rank logged)."""
-    seen = []
-
-    class Catch(logging.Handler):
-        def emit(self, record):
-            if WARNING in record.getMessage():
-                seen.append(record.getMessage())
-
-    handler = Catch()
-    logging.getLogger("quadra").addHandler(handler)
-    try:
+    with quadra_log_lines(WARNING) as seen:
         return train_and_record(argv), len(seen)
-    finally:
-        logging.getLogger("quadra").removeHandler(handler)
 
 
 @pytest.fixture(scope="module")
@@ -100,17 +89,7 @@ def _extend(argv):
     from engine.config import load_config
     from engine.train.trainer import Trainer
 
-    lines = []
-
-    class Catch(logging.Handler):
-        def emit(self, record):
-            if any(words in record.getMessage() for words in ("new phase", "fingerprint", "settings changed")):
-                lines.append((record.levelname, record.getMessage()))
-
-    handler = Catch()
-    logging.getLogger("quadra").addHandler(handler)
-    logging.getLogger("quadra").setLevel(logging.INFO)  # the line is an info line, as "resumed from"
-    try:
+    with quadra_log_lines("new phase", "fingerprint", "settings changed") as lines:
         cfg = load_config(argv)
         cfg.validate()
         trainer = Trainer(cfg)
@@ -121,8 +100,6 @@ def _extend(argv):
         finally:
             trainer.close()
         return loaded, [h["loss"] for h in history]
-    finally:
-        logging.getLogger("quadra").removeHandler(handler)
 
 
 @pytest.mark.slow

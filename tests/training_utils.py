@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import os
 
@@ -216,6 +218,29 @@ def run_in_turn(layouts: dict[str, dict], run_one) -> dict[str, object]:
             results[name] = traceback.format_exc()
             failed = name
     return results
+
+
+@contextlib.contextmanager
+def quadra_log_lines(*words: str):
+    """Within the block, collect the "quadra" logger's records whose message contains any of ``words``
+    as (level name, message) in the list it yields; the logger passes INFO lines meanwhile."""
+    lines: list[tuple[str, str]] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            message = record.getMessage()
+            if any(word in message for word in words):
+                lines.append((record.levelname, message))
+
+    logger, handler = logging.getLogger("quadra"), Catch()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def with_compiled_twins(layouts: dict[str, tuple], also: tuple[str, ...] = ()) -> dict[str, tuple]:
