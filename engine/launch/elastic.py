@@ -38,7 +38,7 @@ from torch.distributed.elastic.agent.server.api import WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from engine.launch.failures import failure_cause, incurable, read_reasons
-from engine.observe.hang import HANG_EXIT, hang_folder, missing_ranks
+from engine.observe.hang import HANG_EXIT, await_records, hang_folder, missing_ranks
 
 HANG_WAIT_S = 60.0  # how long the agent waits for every rank's hang record once one rank reported (it ends
 # as soon as all are there; a loaded machine has taken over 15 s to write them)
@@ -50,9 +50,7 @@ def hang_line(run_folder: str, attempt: int, world_size: int, timeout_s: float) 
     Waits up to :data:`HANG_WAIT_S` for the records of all ``world_size`` ranks (their watchdogs
     fire within a poll interval of each other)."""
     folder = hang_folder(run_folder, attempt)
-    deadline = time.monotonic() + HANG_WAIT_S
-    while len(glob.glob(os.path.join(folder, "rank-*.txt"))) < world_size and time.monotonic() < deadline:
-        time.sleep(0.2)
+    await_records(folder, world_size, HANG_WAIT_S)
     verdict = missing_ranks(folder)
     where = f"every rank's stack is in {folder}"
     if verdict is None:

@@ -90,17 +90,10 @@ class HangWatchdog:
             if idle > self.timeout_s:
                 try:
                     self._report(idle)
-                    self._await_records()
+                    await_records(self.folder, self.world_size, RECORD_WAIT_S)
                 finally:  # the attempt ends even when the record cannot be written
                     self._exit(HANG_EXIT)
                 return
-
-    def _await_records(self) -> None:
-        """Wait until every rank's record is in the folder, at most :data:`RECORD_WAIT_S` seconds."""
-        deadline = time.monotonic() + RECORD_WAIT_S
-        while (len(glob.glob(os.path.join(self.folder, "rank-*.txt"))) < self.world_size
-               and time.monotonic() < deadline):
-            time.sleep(0.1)
 
     def _report(self, idle: float) -> None:
         """Write this rank's Flight Recorder record, then its stacks (the .txt last: its presence
@@ -130,6 +123,14 @@ def _flight_recorder() -> str | None:
     except Exception as error:  # noqa: BLE001 - a missing record must not prevent the stack dump
         logger.debug("no Flight Recorder record: %s", error)
         return None
+
+
+def await_records(folder: str, world_size: int, timeout_s: float) -> None:
+    """Wait until ``folder`` holds the complete records (``rank-R.txt``, written last) of
+    ``world_size`` ranks, at most ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while len(glob.glob(os.path.join(folder, "rank-*.txt"))) < world_size and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def missing_ranks(folder: str) -> tuple[list[int], str, list[int]] | None:
