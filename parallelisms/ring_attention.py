@@ -128,6 +128,20 @@ def _widen(t: torch.Tensor, width: int) -> torch.Tensor:
     return t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
 
 
+def _cuda_bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """The additive mask [B or 1, 1, Lq, Lk] as the CUDA memory-efficient kernel takes it: expanded to
+    [B, H, Lq, Lk] (the kernel checks every dimension, broadcasting none) over a row stride padded to
+    a multiple of 16 elements (its alignment check). Values are unchanged: the padding is sliced off.
+    This is what ``scaled_dot_product_attention`` does before it calls the kernel (aten's
+    ``preprocess_mask`` in transformers/attention.cpp)."""
+    if mask is None:
+        return None
+    width = mask.shape[-1]
+    if mask.stride(-2) % 16 or mask.stride(-1) != 1:
+        mask = torch.nn.functional.pad(mask, (0, -width % 16 or 16))[..., :width]
+    return mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
 def _kernel_forward(q, k, v, causal, mask, scale):
     """(out [B, H, Lq, Dv] in q's dtype, lse [B, H, Lq] float32 or wider) of one block pair."""
     if v.shape[-1] != q.shape[-1]:  # MLA (models/deepseek_v3): value heads narrower than query-key heads
@@ -137,7 +151,8 @@ def _kernel_forward(q, k, v, causal, mask, scale):
     if q.device.type == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
         return out, lse.to(_lse_dtype(q.dtype))
-    out, lse, _, _ = aten._scaled_dot_product_efficient_attention(q, k, v, mask, True, 0.0, causal, scale=scale)
+    out, lse, _, _ = aten._scaled_dot_product_efficient_attention(q, k, v, _cuda_bias(mask, q, k), True, 0.0, causal,
+                                                                  scale=scale)
     return out, lse[..., : q.shape[2]].float()  # the kernel pads lse's rows to a multiple of 32
 
 
@@ -151,11 +166,17 @@ def _kernel_backward(dout, q, k, v, out, lse, causal, mask, scale):
     if q.device.type == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse.to(_lse_dtype(q.dtype)), 0.0, causal, attn_mask=mask, scale=scale)
+    # The kernel takes ``out`` in the layout its forward returns ([B, Lq, H, Dv] in memory), not the
+    # ring's merged [B, H, Lq, Dv]-contiguous one: given the latter, on an H200 (torch 2.11) its bf16
+    # backward returned dq and dk 45 % off, NaN or an illegal memory access, while fp32 and dv were
+    # right. Hence one copy into the layout it reads.
+    out = out.transpose(1, 2).contiguous().transpose(1, 2)
     padded = -(-q.shape[2] // 32) * 32
     lse = torch.nn.functional.pad(lse.float(), (0, padded - q.shape[2]))
     empty = torch.empty(0, device=q.device, dtype=torch.int64)
     dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, mask, out, lse, empty, empty, 0.0, [True, True, True, False], causal, scale=scale)
+        dout, q, k, v, _cuda_bias(mask, q, k), out, lse, empty, empty, 0.0, [True, True, True, False], causal,
+        scale=scale)
     return dq, dk, dv
 
 

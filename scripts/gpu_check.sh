@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-shot GPU check (scripts/gpu_check.py): one table on stdout, JSON in $OUT/gpu_check.json when
 # $OUT is set (or --json PATH). Arguments go to the Python script: --quick, --dry-cpu, --only ROWS...
-#   bash scripts/gpu_check.sh                   # one GPU, about 3-5 minutes, hard limit GPU_CHECK_TIMEOUT
+#   bash scripts/gpu_check.sh                   # one GPU, about 2 minutes on an H200, hard limit GPU_CHECK_TIMEOUT
 #   QUADRA_PYTHON=.venv/bin/python bash scripts/gpu_check.sh --dry-cpu    # no GPU: tiny shapes on the CPU
 # The Python used: $QUADRA_PYTHON, else python3 (the GPU machine's python3 holds its CUDA torch).
 set -uo pipefail

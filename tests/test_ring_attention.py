@@ -161,3 +161,48 @@ def _compare_narrow_values() -> tuple[float, float]:
 def test_narrower_value_heads_match_full_attention():
     for fwd_err, bwd_err in run_distributed(_compare_narrow_values, 2):
         assert fwd_err < 1e-10 and bwd_err < 1e-10, (fwd_err, bwd_err)
+
+
+class _RecordingEfficientKernels:
+    """Stands in for ``torch.ops.aten`` in parallelisms/ring_attention.py: records what the CUDA
+    branch hands the memory-efficient kernels and returns meta tensors of their outputs' shapes."""
+
+    def __init__(self):
+        self.calls = []
+
+    def _scaled_dot_product_efficient_attention(self, q, k, v, bias, compute_lse, dropout, causal, scale=None):
+        self.calls.append(("forward", bias, None))
+        lse_rows = -(-q.shape[2] // 32) * 32
+        return (q.new_empty(q.shape[:3] + v.shape[-1:]), q.new_empty(q.shape[:2] + (lse_rows,), dtype=torch.float32),
+                None, None)
+
+    def _scaled_dot_product_efficient_attention_backward(self, dout, q, k, v, bias, out, lse, *rest, scale=None):
+        self.calls.append(("backward", bias, out))
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
+
+
+@pytest.mark.parametrize("width", [24, 32])
+def test_cuda_kernel_arguments(monkeypatch, width):
+    """What the CUDA kernels need, measured on an H200 (torch 2.11), checked here on meta tensors:
+    the additive mask expanded to [B, H, Lq, Lk] over a row stride that is a multiple of 16 (else
+    'attn_bias: wrong shape (head dimension)'), and the output handed to the backward in the layout
+    the forward returns ([B, Lq, H, Dv] in memory; else bf16 dq and dk 45 % off, NaN or an illegal
+    memory access). Values: the mask's entries are unchanged (checked on CPU tensors)."""
+    import parallelisms.ring_attention as ring
+
+    kernels = _RecordingEfficientKernels()
+    monkeypatch.setattr(ring, "aten", kernels)
+    b, h, lq, d = 2, 4, 16, 8
+    q, dout = (torch.empty(b, h, lq, d, device="meta") for _ in range(2))
+    k, v = (torch.empty(b, h, width, d, device="meta") for _ in range(2))
+    mask = torch.empty(b, 1, lq, width, device="meta")
+    out, lse = ring._kernel_forward(q, k, v, False, mask, 0.125)
+    merged = torch.empty(b, h, lq, d, device="meta")  # the ring's merged output: [B, H, Lq, Dv]-contiguous
+    ring._kernel_backward(dout, q, k, v, merged, lse, False, mask, 0.125)
+    (_, fwd_bias, _), (_, bwd_bias, bwd_out) = kernels.calls
+    for bias in (fwd_bias, bwd_bias):
+        assert bias.shape == (b, h, lq, width) and bias.stride(-1) == 1 and bias.stride(-2) % 16 == 0, bias.stride()
+    assert bwd_out.shape == merged.shape and bwd_out.transpose(1, 2).is_contiguous(), bwd_out.stride()
+    assert out.shape == (b, h, lq, d) and lse.shape == (b, h, lq)
+    values = torch.randn(b, 1, lq, width)
+    assert torch.equal(ring._cuda_bias(values, q, k), values.expand(b, h, lq, width))
