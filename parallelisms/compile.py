@@ -61,6 +61,27 @@ def compiled_modules(model: nn.Module) -> list[nn.Module]:
     return [module for block in compiled_blocks(model) for module in static_parts(block)]
 
 
+def compile_summary(models: list[nn.Module], backend: str, cp: int = 1) -> str:
+    """The start-up line saying what :func:`apply_compile` compiled on this rank's ``models`` (its
+    pipeline stages or the one model): whole blocks, MoE blocks by their static parts, and under
+    context parallel (``cp`` > 1) that the ring attention stays one opaque operator with eager
+    send/recv (parallelisms/ring_attention.py)."""
+    blocks = [block for model in models for block in compiled_blocks(model)]
+    parts = [static_parts(block) for block in blocks]
+    whole = sum(1 for block, p in zip(blocks, parts) if p == [block])
+    moe = len(blocks) - whole
+    what = []
+    if whole:
+        what.append(f"{whole} whole block{'s' if whole > 1 else ''}")
+    if moe:
+        what.append(f"{moe} MoE block{'s' if moe > 1 else ''} by their attention, router and shared experts (token routing and the "
+                    "all-to-all stay eager)")
+    if cp > 1:
+        what.append(f"the ring attention (cp {cp}) is one opaque operator inside them, its send/recv eager")
+    return (f"compile ({backend}, fullgraph): {sum(len(p) for p in parts)} modules per rank: {'; '.join(what)}; "
+            "the first step compiles")
+
+
 def apply_compile(model: nn.Module, backend: str = "inductor", *, distributed: bool = False) -> int:
     """Compile every module of :func:`compiled_modules` in place with ``fullgraph=True``; returns how
     many. ``fullgraph`` turns a graph break into an error at the first step instead of a silent slowdown.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -183,7 +184,24 @@ def test_compile_says_what_it_compiles_and_ranks_keep_no_shared_autograd_cache(t
     overrides = {"model.name": "moe", "model.flavor": "debugmodel", "compile.enable": "true"}
     ((lines, cache_on),) = run_distributed(_compile_setup, 1, base_args(str(tmp_path / "one"), overrides),
                                            torchrun_env=False)
-    assert cache_on and len(lines) == 1 and lines[0].startswith("compile (inductor, fullgraph): 10 modules"), lines
+    assert cache_on and len(lines) == 1 and lines[0].startswith(
+        "compile (inductor, fullgraph): 10 modules per rank: 1 whole block; 3 MoE blocks by their attention"), lines
     for lines, cache_on in run_distributed(_compile_setup, 2, base_args(str(tmp_path / "two"), {
             **overrides, "parallelism.dp_shard": 1, "parallelism.tp": 2})):
         assert not cache_on and len(lines) == 1 and ": 10 modules per rank" in lines[0], lines
+
+
+def test_compile_summary_names_dense_blocks_and_the_ring():
+    """A dense model's line speaks of whole blocks, not MoE parts, and under cp of the eager ring."""
+    from torch import nn
+
+    from parallelisms.compile import compile_summary
+
+    block = nn.Module()
+    block.attention, block.feed_forward = nn.Linear(2, 2), nn.Linear(2, 2)
+    model = nn.Module()
+    model.layers = nn.ModuleDict({"0": block, "1": copy.deepcopy(block)})
+    line = compile_summary([model], "inductor", cp=2)
+    assert line == ("compile (inductor, fullgraph): 2 modules per rank: 2 whole blocks; the ring attention (cp 2) "
+                    "is one opaque operator inside them, its send/recv eager; the first step compiles"), line
+    assert "MoE" not in compile_summary([model], "inductor") and "ring" not in compile_summary([model], "inductor")

@@ -49,6 +49,10 @@ def test_bad_checkpoint_settings_fail_before_training(seeded_run, tmp_path):
     not_dcp = tmp_path / "not_a_checkpoint"
     not_dcp.mkdir()
     dim = get_model_args("llama", FLAVOR).dim
+    step_10 = tmp_path / "other_run" / "step-10"
+    step_10.mkdir(parents=True)
+    (step_10 / ".metadata").write_bytes(b"")
+    (step_10 / "quadra.json").write_text('{"step": 10}')
     cases = {
         "load_step": ({"checkpoint.load_step": 3},
                       ["checkpoint.load_step = 3", "no complete checkpoint step-3", "complete: [0]"]),
@@ -76,6 +80,12 @@ def test_bad_checkpoint_settings_fail_before_training(seeded_run, tmp_path):
             {"job.dump_folder": str(tmp_path / "fresh3"), "checkpoint.initial_load_model_only": "false",
              "checkpoint.initial_load_path": os.path.join(seeded_run, "checkpoint", "step-0")},
             ["holds no training state", "checkpoint.initial_load_model_only = true"]),
+        # A full checkpoint at step 10 (its marker says so) and a phase continuing it to step 10.
+        "new phase with no step to train": (
+            {"job.dump_folder": str(tmp_path / "fresh6"), "checkpoint.initial_load_model_only": "false",
+             "checkpoint.initial_load_path": str(step_10), "training.steps": 10},
+            ["training.steps = 10 is not above the step of checkpoint.initial_load_path", "(10)",
+             "Fix: --training.steps N with N > 10", "--checkpoint.initial_load_lr restart"]),
     }
     argv_list = [base_args(seeded_run, {"checkpoint.enable": "true", **overrides})
                  for overrides, _ in cases.values()]

@@ -89,7 +89,7 @@ def _extend(argv):
     from engine.config import load_config
     from engine.train.trainer import Trainer
 
-    with quadra_log_lines("new phase", "fingerprint", "settings changed") as lines:
+    with quadra_log_lines("new phase", "fingerprint", "settings changed", "continues on world_size") as lines:
         cfg = load_config(argv)
         cfg.validate()
         trainer = Trainer(cfg)
@@ -107,7 +107,8 @@ def test_context_extension_resumes_weights_and_optimizer_at_twice_the_length(tmp
     """The README's context-extension command: a run at seq_len 16 saves step 2; a new run at seq_len
     32 starts from it with its optimizer state (Adam's step count 2), the step count and LR schedule
     restarted, and the data continued after the 2 x 8 x 16 = 256 tokens read (window 8 of 32 tokens);
-    one line says so; it trains."""
+    one line says so; it trains. The phase runs on 2 ranks (FSDP2) where the first ran on one: a
+    layout the user chose, so no elastic "the group continues on world_size 2" line."""
     short = base_args(str(tmp_path / "short"), {"training.seq_len": SHORT_MAX, "training.steps": 2,
                                                 "checkpoint.enable": "true", "checkpoint.interval": 2,
                                                 "validation.enable": "false"})
@@ -116,8 +117,9 @@ def test_context_extension_resumes_weights_and_optimizer_at_twice_the_length(tmp
     phase = base_args(str(tmp_path / "long"), {
         "training.steps": 2, "validation.enable": "false", "checkpoint.enable": "true",
         "checkpoint.initial_load_path": str(tmp_path / "short" / "checkpoint" / "step-2"),
-        "checkpoint.initial_load_model_only": "false", "checkpoint.initial_load_lr": "restart"})
-    ((step, position, adam_steps, lines), losses) = run_distributed(_extend, 1, phase, torchrun_env=False)[0]
+        "checkpoint.initial_load_model_only": "false", "checkpoint.initial_load_lr": "restart",
+        "parallelism.dp_shard": 2, "training.local_batch_size": 4})
+    ((step, position, adam_steps, lines), losses) = run_distributed(_extend, 2, phase)[0]
     assert (step, position, adam_steps) == (0, 8, {2.0}), (step, position, adam_steps)
     levels, texts = zip(*lines)
     phase_line = [text for text in texts if text.startswith("new phase from")]

@@ -144,7 +144,9 @@ class LoadingMixin:
                        "new phase loaded from" if candidate.initial else "resumed from", candidate.path,
                        seconds, verified, self.trainer.step, self.trainer.tokens_seen)
         self._log_changed_settings(candidate.marker or {}, phase=candidate.initial)
-        self.loaded_marker = candidate.marker or {}  # its layout (engine/train/recovery.py compares it)
+        # Its layout, which engine/train/recovery.py compares to say the group continues on another
+        # world size; a new phase's layout is the user's choice, already listed as changed settings.
+        self.loaded_marker = {} if candidate.initial else (candidate.marker or {})
         self.last_saved_step = self.trainer.step  # do not save the same step again
 
     def _verify(self, candidate: Candidate) -> str | None:
@@ -253,9 +255,10 @@ class LoadingMixin:
         if same_world and f"rng.{rank_key}.cpu" in metadata.state_dict_metadata:
             state["rng"] = {rank_key: rng_state(self.device)}
         elif marker.get("world_size"):
-            self._log_once("RNG states were saved by %s ranks and are per rank: with %d ranks each keeps "
+            saved_world = marker.get("world_size")
+            self._log_once("RNG states were saved by %s rank%s and are per rank: with %d ranks each keeps "
                            "its seeded state (training itself draws no random numbers)",
-                           marker.get("world_size"), self.dist.world_size)
+                           saved_world, "" if saved_world == 1 else "s", self.dist.world_size)
         problem = self._dcp_load(state, path)
         if problem:
             return problem

@@ -110,10 +110,7 @@ def build_model_parts(cfg, spec: ModelSpec, args, *, parallel_dims=None, pp_plan
         if hasattr(part, "mtp_weight"):  # a model with multi-token prediction: [loss] mtp_weight
             part.mtp_weight = cfg.loss.mtp_weight
     if plan is not None and cfg.compile.enable:
-        from parallelisms.compile import compiled_modules
+        from parallelisms.compile import compile_summary
 
-        logging.getLogger("quadra").info(
-            "compile (%s, fullgraph): %d modules per rank, each block (an MoE block: its attention, router and "
-            "shared experts; token routing and the all-to-all stay eager); the first step compiles", cfg.compile.backend,
-            sum(len(compiled_modules(part)) for part in parts))
+        logging.getLogger("quadra").info(compile_summary(parts, cfg.compile.backend, cfg.parallelism.cp))
     return parts, nparams, flops_per_token

@@ -218,7 +218,16 @@ def _check_initial_load(cfg, args, label: str) -> None:
     problem = initial_load_problem(path)
     if problem:
         raise CheckpointError(problem)
-    record = (read_marker(path) or {}).get("model")
+    marker = read_marker(path) or {}
+    c, step = cfg.checkpoint, marker.get("step")
+    if (not c.initial_load_model_only and c.initial_load_lr == "continue" and not marker.get("model_only")
+            and isinstance(step, int) and step >= cfg.training.steps):
+        raise CheckpointError(
+            f"training.steps = {cfg.training.steps} is not above the step of checkpoint.initial_load_path = "
+            f"{path!r} ({step}), where the new phase continues (checkpoint.initial_load_lr = \"continue\"): nothing "
+            f"would train. Fix: --training.steps N with N > {step} (the phase trains N - {step} steps), or "
+            "--checkpoint.initial_load_lr restart")
+    record = marker.get("model")
     if record is None:
         return
     where = f"checkpoint.initial_load_path = {path!r}"
