@@ -187,10 +187,12 @@ def cpu_has_bf16_matmul() -> bool:
 
 
 def _warn_slow_bf16_newton_schulz(ns_dtype: str, params: list) -> None:
-    """Warn once per rank when Muon's Newton-Schulz runs in bfloat16 on a CPU without bfloat16 matmul
+    """Warn (rank 0) when Muon's Newton-Schulz runs in bfloat16 on a CPU without bfloat16 matmul
     units: there each bfloat16 matmul is ~80x a float32 one (torch 2.13, AVX2), and a Muon step of the
     debug model measured ~20x an AdamW step (scripts/benchmarks/optimizers.py)."""
-    if ns_dtype == "bfloat16" and any(p.device.type == "cpu" for p in params) and not cpu_has_bf16_matmul():
+    first_rank = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    if (first_rank and ns_dtype == "bfloat16" and any(p.device.type == "cpu" for p in params)
+            and not cpu_has_bf16_matmul()):
         logger.warning('optimizer.muon_ns_dtype="bfloat16" on a CPU without bfloat16 matmul units: Newton-Schulz '
                        'runs ~80x slower than in float32 (a Muon step ~20x an AdamW step); set '
                        'optimizer.muon_ns_dtype = "float32" for CPU runs')
