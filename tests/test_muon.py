@@ -251,16 +251,3 @@ def test_bad_muon_and_z_loss_settings_are_refused_in_one_line(overrides, words):
         load_config(overrides).validate()
     assert "\n" not in str(error.value)
 
-
-@pytest.mark.parametrize("ns_dtype, has_bf16, warned", [("bfloat16", False, True), ("bfloat16", True, False),
-                                                        ("float32", False, False)])
-def test_bfloat16_newton_schulz_on_a_cpu_without_bf16_units_warns(monkeypatch, caplog, ns_dtype, has_bf16, warned):
-    """One warning naming optimizer.muon_ns_dtype and its fix where bfloat16 matmuls are emulated."""
-    import engine.train.optimizer as optimizer_module
-
-    monkeypatch.setattr(optimizer_module, "cpu_has_bf16_matmul", lambda: has_bf16)
-    with caplog.at_level(logging.WARNING, logger="quadra"):
-        build_optimizer([_Model()], _cfg(muon_ns_dtype=ns_dtype))
-    lines = [r.getMessage() for r in caplog.records if "muon_ns_dtype" in r.getMessage()]
-    assert len(lines) == int(warned), lines
-    assert not warned or 'set optimizer.muon_ns_dtype = "float32"' in lines[0]

@@ -81,6 +81,23 @@ def test_bf16_on_a_cpu_without_bf16_instructions_is_warned_about(monkeypatch, fa
         assert "AVX512-BF16 or AMX" in warnings[0] and 'mixed_precision_param = "float32"' in warnings[0]
 
 
+@pytest.mark.parametrize("fast_bf16, device, ns_dtype, warned", [
+    (False, "cpu", "bfloat16", True),
+    (True, "cpu", "bfloat16", False),
+    (False, "cuda", "bfloat16", False),
+    (False, "cpu", "float32", False),
+])
+def test_muon_bf16_newton_schulz_on_a_cpu_without_bf16_instructions_is_warned_about(monkeypatch, fast_bf16, device,
+                                                                                    ns_dtype, warned):
+    monkeypatch.setattr("engine.setup.preflight.cpu_has_fast_bf16", lambda: fast_bf16)
+    cfg = load_config(["--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", ns_dtype,
+                       "--training.mixed_precision_param", "float32"])
+    warnings = hardware_warnings(cfg, device)
+    assert len(warnings) == int(warned), warnings
+    assert not warned or 'set optimizer.muon_ns_dtype = "float32"' in warnings[0]
+    assert not hardware_warnings(load_config(["--training.mixed_precision_param", "float32"]), device)  # AdamW
+
+
 def _unguarded_tomllib_imports(path: str) -> list[int]:
     """Lines that import tomllib outside a ``try`` or ``if`` (Python 3.10 has no tomllib: tomli instead)."""
     tree = ast.parse(open(path, encoding="utf-8").read())

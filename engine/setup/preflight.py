@@ -284,6 +284,9 @@ def hardware_warnings(cfg, device_type: str) -> list[str]:
     - bf16 mixed precision on a CPU without AVX512-BF16 or AMX: torch falls back to a generic GEMM.
       Measured on a 2-core AVX2 machine with torch 2.13, a bf16 matmul ran about 80× slower than
       fp32 and a whole training step of the debug model 7–11× slower.
+    - Muon's Newton–Schulz in bf16 (``optimizer.muon_ns_dtype``, bf16 by default as torch.optim.Muon)
+      on such a CPU: a Muon step of the debug model measured 19× an AdamW step there, 1.4× with the
+      iteration in fp32 (scripts/benchmarks/optimizers.py).
     """
     warnings = []
     t = cfg.training
@@ -292,6 +295,13 @@ def hardware_warnings(cfg, device_type: str) -> list[str]:
             f"training.mixed_precision_param = \"{t.mixed_precision_param}\" on a CPU without AVX512-BF16 "
             "or AMX: torch runs bf16 matmuls with a fallback kernel (measured 7-11x slower per training "
             "step than fp32 on such a CPU); set training.mixed_precision_param = \"float32\" for CPU runs"
+        )
+    o = cfg.optimizer
+    if device_type == "cpu" and o.name == "Muon" and o.muon_ns_dtype == "bfloat16" and not cpu_has_fast_bf16():
+        warnings.append(
+            "optimizer.muon_ns_dtype = \"bfloat16\" on a CPU without AVX512-BF16 or AMX: Newton-Schulz runs its "
+            "bf16 matmuls with a fallback kernel (a Muon step measured ~20x an AdamW step on such a CPU, 1.4x "
+            "in fp32); set optimizer.muon_ns_dtype = \"float32\" for CPU runs"
         )
     return warnings
 

@@ -171,31 +171,9 @@ def build_optimizer(model_parts: list[nn.Module], cfg, *, whole_model: bool = Tr
     if cfg.name == "Muon":
         from engine.train.muon import MuonWithAdamW
 
-        _warn_slow_bf16_newton_schulz(cfg.muon_ns_dtype, params)
         return MuonWithAdamW(groups, adamw_kwargs)
     optimizer_cls = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
     return optimizer_cls(groups, **adamw_kwargs)
-
-
-def cpu_has_bf16_matmul() -> bool:
-    """Whether this CPU has bfloat16 matmul units (AVX512-BF16 or AMX), as oneDNN reports them
-    (``torch.ops.mkldnn._is_mkldnn_bf16_supported``); True where torch cannot tell."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return True
-
-
-def _warn_slow_bf16_newton_schulz(ns_dtype: str, params: list) -> None:
-    """Warn (rank 0) when Muon's Newton-Schulz runs in bfloat16 on a CPU without bfloat16 matmul
-    units: there each bfloat16 matmul is ~80x a float32 one (torch 2.13, AVX2), and a Muon step of the
-    debug model measured ~20x an AdamW step (scripts/benchmarks/optimizers.py)."""
-    first_rank = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-    if (first_rank and ns_dtype == "bfloat16" and any(p.device.type == "cpu" for p in params)
-            and not cpu_has_bf16_matmul()):
-        logger.warning('optimizer.muon_ns_dtype="bfloat16" on a CPU without bfloat16 matmul units: Newton-Schulz '
-                       'runs ~80x slower than in float32 (a Muon step ~20x an AdamW step); set '
-                       'optimizer.muon_ns_dtype = "float32" for CPU runs')
 
 
 def _param_groups(named: list[tuple[str, nn.Parameter]], rules: list, cfg, decay: float) -> list[dict]:
