@@ -68,6 +68,64 @@ def agreed_run_id(run_id: str | None, distributed: bool) -> str:
     return box[0]
 
 
+# W&B modes that open no connection, so need no credentials (wandb's Settings: ``_offline``, ``_noop``).
+WANDB_MODES_WITHOUT_NETWORK = ("offline", "dryrun", "disabled")
+
+
+def wandb_credentials_problem() -> str | None:
+    """The pre-flight line for ``metrics.enable_wandb`` when ``wandb.init`` would find no credentials.
+
+    W&B's settings are read as its own library reads them, without starting it or any network call:
+    the settings files (``$WANDB_CONFIG_DIR/settings`` or ~/.config/wandb/settings, where ``wandb
+    offline`` / ``wandb login --host`` write), then the ``WANDB_*`` variables. A mode that opens no
+    connection (``WANDB_MODE`` offline, dryrun or disabled) needs nothing. Otherwise credentials are
+    a non-empty ``WANDB_API_KEY`` (or ``WANDB_IDENTITY_TOKEN_FILE``), or an entry in the netrc file
+    (``$NETRC`` or ~/.netrc, which ``wandb login`` writes) for the server W&B will talk to
+    (``WANDB_BASE_URL`` for a self-hosted one), read with wandb's own ``read_netrc_auth``. Without
+    them ``wandb.init`` fails at the first record (after step 1: "No API key configured").
+
+    Returns:
+        one line naming ``metrics.enable_wandb`` and the fixes (``wandb login``, ``WANDB_API_KEY``,
+        ``WANDB_MODE=offline`` or ``disabled``), or None when the run can open its W&B run. A
+        ``WANDB_*`` value or netrc key that wandb itself rejects gives a line with wandb's reason.
+    """
+    from wandb.errors import Error as WandbError
+    from wandb.sdk.lib import wbauth
+    from wandb.sdk.wandb_settings import Settings
+
+    try:
+        settings = _wandb_settings(Settings)
+    except (ValueError, WandbError) as error:  # pydantic's ValidationError (a ValueError), wandb's UsageError
+        return f"metrics.enable_wandb = true but wandb refuses its settings: {' '.join(str(error).split())}"
+    if settings.mode in WANDB_MODES_WITHOUT_NETWORK or settings.api_key or settings.identity_token_file:
+        return None
+    try:
+        if wbauth.read_netrc_auth(host=settings.base_url):
+            return None
+    except (ValueError, WandbError) as error:  # AuthenticationError: a key of the wrong form
+        return (f"metrics.enable_wandb = true but the netrc key for {settings.base_url} is not one W&B accepts "
+                f"({' '.join(str(error).split())}): run `wandb login --relogin`, or set WANDB_API_KEY")
+    netrc = os.environ.get("NETRC") or "~/.netrc"
+    return (f"metrics.enable_wandb = true but W&B has no credentials for {settings.base_url} (WANDB_API_KEY is "
+            f"unset and {netrc} has no entry for it) and WANDB_MODE is not offline: run `wandb login`, or set "
+            "WANDB_API_KEY, or log locally with WANDB_MODE=offline (`wandb sync` uploads later) or turn W&B off "
+            "with WANDB_MODE=disabled or metrics.enable_wandb = false")
+
+
+def _wandb_settings(settings_class):
+    """W&B's global settings as ``wandb.setup`` loads them (settings files, then ``WANDB_*``), without
+    the library's singleton (which starts a thread) and without its "Loading settings" message."""
+    import pathlib
+
+    settings = settings_class(quiet=True)
+    config_dir = os.environ.get("WANDB_CONFIG_DIR")
+    settings.settings_system = str(pathlib.Path(config_dir).expanduser() / "settings" if config_dir
+                                   else pathlib.Path("~", ".config", "wandb", "settings").expanduser())
+    settings.update_from_system_settings()
+    settings.update_from_env_vars(dict(os.environ))
+    return settings
+
+
 class WandbSink:
     """Rank 0's W&B run (module docstring).
 

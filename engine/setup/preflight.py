@@ -183,12 +183,26 @@ def check_rank_setup(cfg, world_size: int, device_type: str, rank: int) -> Setup
 
 
 def _check_wandb(cfg) -> None:
-    """Refuse ``metrics.enable_wandb`` without the wandb package, naming the install command."""
+    """Refuse ``metrics.enable_wandb`` without the wandb package (naming the install command), or
+    without W&B credentials where its mode needs them (``engine.observe.sinks.wandb_credentials_problem``:
+    ``wandb login``, ``WANDB_API_KEY`` or ``WANDB_MODE=offline``), instead of failing after step 1.
+    wandb is imported only when ``enable_wandb`` is on (its settings module imports numpy, never torch).
+
+    Raises:
+        ValueError: one line naming ``metrics.enable_wandb`` and the fix.
+    """
     import importlib.util
 
-    if cfg.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
+    if not cfg.metrics.enable_wandb:
+        return
+    if importlib.util.find_spec("wandb") is None:
         raise ValueError('metrics.enable_wandb = true needs the wandb package: pip install -e ".[wandb]" '
                          "(or set metrics.enable_wandb = false)")
+    from engine.observe.sinks import wandb_credentials_problem
+
+    problem = wandb_credentials_problem()
+    if problem:
+        raise ValueError(problem)
 
 
 def _plans_of_every_rank(plan, pp: int) -> tuple:
