@@ -389,8 +389,9 @@ class Trainer:
         evaluate_when_due(self, last)  # validation and the [eval] tasks (engine/train/evaluation.py)
 
     def close(self, wait: bool = True) -> None:
-        """Finish a checkpoint in flight (``wait``: skipped after a failure, since it may need other
-        ranks), restore signal handlers, close the metrics files."""
+        """Stop the data read-ahead thread, finish a checkpoint in flight (``wait``: skipped after a failure,
+        since it may need other ranks), restore signal handlers, close the metrics files."""
+        self.dataloader.close()
         if wait:
             self.checkpointer.close()
         self.stop_request.restore()
