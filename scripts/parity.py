@@ -51,6 +51,10 @@ def _args(argv):
     p.add_argument("--precision", default="fp32", choices=("fp32", "fp64"), help="fp32: the config's "
                    "dtypes, relative tolerance 1e-5 at step 1, 1e-4 after; fp64: every run in the float64 reference "
                    "mode (training.mixed_precision_param/_reduce and optimizer.muon_ns_dtype = float64), tolerance 1e-12")
+    p.add_argument("--noise_floor", default="auto", choices=("auto", "on", "off"), help="judge layouts against "
+                   "the reference's measured noise floor (engine/parity/noise.py: the reference retrained with its "
+                   "sequences reordered and, on the CPU, on other kernels; a layout passes within 10x of it); "
+                   "auto: when the config is not exact to float32 (float8, bfloat16, Muon's bfloat16 Newton-Schulz)")
     p.add_argument("--procs", type=int, default=0, help="process budget of --layouts auto (default: the "
                    f"visible GPUs, else {CPU_PROCESS_BUDGET})")
     p.add_argument("--keep_max_norm", action="store_true", help="when training.max_norm clips no step, only "
@@ -186,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     if not layouts:
         return _refuse(f"no layout of --layouts {a.layouts} fits --procs {a.procs}: " + "; ".join(left_out[:3]))
     precision = PRECISIONS[a.precision]
+    from engine.parity.noise import MARGIN, inexact_settings
+
+    inexact = inexact_settings(cfg) if a.precision == "fp32" else []
+    noise_floor = a.noise_floor == "on" or (a.noise_floor == "auto" and bool(inexact))
     folder = a.out or tempfile.mkdtemp(prefix="quadra-parity-")
     print(f"parity of {a.config} ({cfg.model.name}/{cfg.model.flavor}), {a.steps} steps, {a.precision}, "
           f"{len(layouts)} layouts on {device_type} vs one process; run folders in {folder}", flush=True)
@@ -197,12 +205,18 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     sweep = Sweep(base, a.steps, precision, folder, engage_clipping=not a.keep_max_norm,
                   say=lambda line: print(line, flush=True), replay=bool(a.replay),
-                  locate_from=(start_step + 1) if a.locate else 0)
+                  locate_from=(start_step + 1) if a.locate else 0, noise_floor=noise_floor,
+                  device_type=device_type, local_batch_size=cfg.training.local_batch_size)
     try:
         clipping = sweep.run_reference(cfg.training.max_norm)
         print(f"reference (1 process): {sweep.reference.seconds:.0f} s; clipping "
               f"{'engaged' if clipping['engaged'] else 'NOT engaged'} at max_norm {clipping['max_norm']:g} "
               f"({clipping['clipped_steps']} steps clipped, {clipping['unclipped_steps']} not)", flush=True)
+        if sweep.floor:
+            twins = ", ".join(f"{name} {value:.2e}" for name, value in sweep.twin_floors.items())
+            print(f"noise floor ({'; '.join(inexact) or 'asked for'}): the reference against its twins: {twins}; "
+                  f"final parameters {sweep.parameter_floor:.2e}; a layout passes within {MARGIN:g}x the floor "
+                  f"of each step", flush=True)
         rows = []
         if a.replay:
             rows.append(original_row(a.replay, sweep, start_step))
@@ -221,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not a.out:
             shutil.rmtree(folder, ignore_errors=True)
-    print(format_table(rows, precision))
+    print(format_table(rows, precision, sweep))
     passed = all(row["passed"] for row in rows)
     print(f"{sum(r['passed'] for r in rows)}/{len(rows)} layouts pass; {time.perf_counter() - start:.0f} s in all")
     if a.json:
@@ -229,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                   "device": device_type, "process_budget": a.procs, "clipping": clipping,
                   "reference": {"history": sweep.reference.history, "seconds": round(sweep.reference.seconds, 1)},
                   "layouts": rows, "left_out": left_out, "passed": passed,
+                  "noise_floor": {"steps": sweep.floor, "parameters": sweep.parameter_floor, "margin": MARGIN,
+                                  "twins": sweep.twins, "settings": inexact} if sweep.floor else None,
                   "seconds": round(time.perf_counter() - start, 1)}
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)

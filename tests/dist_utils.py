@@ -55,14 +55,19 @@ def _worker(fn, rank, world_size, port, args, queue, torchrun_env) -> None:
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args, timeout: float | None = None, torchrun_env: bool = True
+    fn: Callable[..., Any], world_size: int, *args, timeout: float | None = None, torchrun_env: bool = True,
+    env: dict[str, str | None] | None = None,
 ) -> list[Any]:
     """Call ``fn(*args)`` in ``world_size`` forked processes; return results ordered by rank.
 
     ``torchrun_env=False`` (one process only) starts the worker as a plain ``python`` run would:
     without RANK/WORLD_SIZE, so no process group is created.
 
-    ``fn`` must be picklable-free (fork start) and its return value picklable.
+    ``fn`` must be picklable-free (fork start) and its return value picklable. With ``env`` the
+    workers are spawned instead, with these variables set before their Python starts (what a
+    library reads once at load, e.g. the CPU kernel choice of engine/parity/noise.py's
+    ``kernel_twin_env()``, cannot be changed in a fork of this process; None removes a variable):
+    ``fn`` and ``args`` must then be picklable (a module-level function).
 
     Raises:
         RuntimeError: with every failed rank's traceback, or the ranks that timed out.
@@ -70,15 +75,28 @@ def run_distributed(
     if timeout is None:
         # Ranks share 2 cores in CI: start-up and each step slow down with the process count.
         timeout = 120.0 + 30.0 * world_size
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("spawn" if env else "fork")
     queue = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(fn, rank, world_size, port, args, queue, torchrun_env), daemon=True)
         for rank in range(world_size)
     ]
-    for proc in procs:
-        proc.start()
+    saved = {name: os.environ.get(name) for name in (env or {})}
+    for name, value in (env or {}).items():  # a spawned child starts with this process's environment
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    try:
+        for proc in procs:
+            proc.start()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     results: dict[int, Any] = {}
     failures: list[str] = []
     try:

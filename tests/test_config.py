@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 PINNED_KEYS = """
 job.config_file job.dump_folder job.description job.device job.print_config job.dry_run job.dry_run_gpu
 model.name model.flavor model.args_path model.tokenizer_path model.vocab_size model.tie_embeddings
-data.path data.text_column data.split data.streaming data.shuffle data.mixture
+data.path data.text_column data.split data.streaming data.shuffle data.mixture data.sequence_order_seed
 validation.enable validation.path validation.freq validation.steps
 eval.enable eval.tasks eval.freq eval.limit
 training.steps training.local_batch_size training.global_batch_size training.seq_len

@@ -336,3 +336,20 @@ def test_error_messages(tok, tmp_path, corpus):
     with pytest.raises(ValueError, match="validation.path=.*fewer than"):
         build_validation_dataloader(val_cfg(short), cfg(corpus), tok, seq_len=64,
                                     local_batch_size=1, dp_rank=0, dp_degree=1)
+
+
+def test_sequence_order_seed_reorders_each_microbatch_and_nothing_else(tok, corpus):
+    """data.sequence_order_seed (engine/parity/noise.py's reordered twin): every microbatch holds the
+    same sequences, labels still the inputs shifted by one, in one fixed non-identity order."""
+    from engine.data.order import sequence_permutation
+
+    plain, reordered = loader(tok, corpus, L=4, G=8), loader(tok, corpus, L=4, G=8, sequence_order_seed=1)
+    order = sequence_permutation(4, 1)
+    assert order != [0, 1, 2, 3] and sorted(order) == [0, 1, 2, 3]
+    for _ in range(4):
+        (x, y), (rx, ry) = plain.next_batch(), reordered.next_batch()
+        assert torch.equal(rx, x[order]) and torch.equal(ry, y[order])
+    assert reordered.state_dict() == plain.state_dict()  # the data position is the same
+    assert sequence_permutation(2, 5) == [1, 0]  # two sequences: never the identity
+    with pytest.raises(ValueError, match="seed >= 1"):
+        sequence_permutation(4, 0)

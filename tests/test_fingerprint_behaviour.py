@@ -120,6 +120,8 @@ SPECS: dict[str, Spec] = {
     "training.mixed_precision_reduce": Spec(FLOAT64),
     "optimizer.implementation": Spec({"optimizer.implementation": "foreach"}),  # auto: fused on the CPU
     "loss.chunk_tokens": Spec({"loss.chunk_tokens": 0}),
+    # the same step's sums over sequences in another order: the noise floor's perturbation (engine/parity/noise.py)
+    "data.sequence_order_seed": Spec({"data.sequence_order_seed": 1}),
     # float32 against float64 Newton-Schulz: the default bfloat16 iteration rounds beyond the fp32
     # tolerance (README, Optimizers), as bfloat16 mixed precision does.
     "optimizer.muon_ns_dtype": Spec({"optimizer.muon_ns_dtype": "float64"}, {**MUON, "optimizer.muon_ns_dtype": "float32"}),

@@ -52,6 +52,7 @@ _CLASSES: dict[str, dict[str, tuple[str, ...]]] = {
         "job": ("device",),
         "training": ("deterministic", "mixed_precision_param", "mixed_precision_reduce"),
         "optimizer": ("implementation", "muon_ns_dtype"),
+        "data": ("sequence_order_seed",),  # the same step's sums over sequences in another order
         "compile": ("enable", "backend"),
         "loss": ("chunk_tokens",),
         # float8 matmuls round inputs, weights and gradients; the master weights stay high precision.

@@ -81,6 +81,10 @@ class DataSection:
     mixture: list[str] = _opt([], 'weighted prepared folders read instead of data.path, e.g. ["out/web:0.7", '
                                   '"out/code:0.3"] (CLI: out/web:0.7,out/code:0.3); weights are normalised, '
                                   'interleaved by global position; tokens per set go to metrics.jsonl')
+    sequence_order_seed: int = _opt(0, "> 0: every training microbatch's sequences are reordered by one fixed "
+                                       "permutation drawn from this seed: the same step in exact arithmetic (each "
+                                       "loss term is a sum over sequences), its sums in another float order; "
+                                       "scripts/parity.py measures a precision's noise floor with it; 0: off")
 
 
 @dataclass

@@ -22,6 +22,7 @@ import torch
 
 from engine.data.batch_sizes import resolve_batch_sizes  # noqa: F401  (re-exported)
 
+from engine.data.order import sequence_permutation
 from engine.data.packing import MapWindows, pack_documents
 from engine.data.prepared import is_prepared
 from engine.data.prepared_windows import RAW_DATA, PreparedWindows, build_mixture, describe_data
@@ -69,11 +70,12 @@ class PackedDataLoader:
         seed, shuffle, streaming: recorded in the state so a mismatching resume is refused.
         read_ahead: microbatches a background thread gathers ahead (0: gather when asked); only for
             sources whose ``gather`` and ``ensure`` are pure functions of the position.
+        sequence_order_seed: > 0 reorders every microbatch's sequences (``data.sequence_order_seed``).
     """
 
     def __init__(self, source, *, seq_len: int, local_batch_size: int,
                  global_batch_size: int, dp_rank: int, dp_degree: int, seed: int, shuffle: bool,
-                 streaming: bool, read_ahead: int = 0):
+                 streaming: bool, read_ahead: int = 0, sequence_order_seed: int = 0):
         if not 0 <= dp_rank < dp_degree:
             raise ValueError(f"dp rank {dp_rank} is outside [0, dp degree {dp_degree})")
         self.source = source
@@ -91,6 +93,8 @@ class PackedDataLoader:
         self._logged_epoch = 0
         self.read_ahead = read_ahead
         self._reader: ReadAhead | None = None
+        # data.sequence_order_seed: one fixed reordering of every microbatch's rows (engine/data/order.py)
+        self._rows = sequence_permutation(local_batch_size, sequence_order_seed) if sequence_order_seed > 0 else None
 
     @property
     def epoch(self) -> int:
@@ -122,7 +126,7 @@ class PackedDataLoader:
         if self._microbatch == A:
             self._microbatch = 0
             self._position += self.global_batch_size
-        return _split(windows)
+        return _split(windows if self._rows is None else windows[self._rows])
 
     def _gather(self, start: int) -> torch.Tensor:
         return self.source.gather(range(start, start + self.local_batch_size))
@@ -348,7 +352,8 @@ def build_dataloader(data_cfg, tokenizer: Tokenizer, *, seq_len: int, local_batc
     loader = PackedDataLoader(source, seq_len=seq_len, local_batch_size=local_batch_size,
                               global_batch_size=global_batch_size, dp_rank=dp_rank,
                               dp_degree=dp_degree, seed=seed, shuffle=shuffle,
-                              streaming=streaming, read_ahead=READ_AHEAD if prepared else 0)
+                              streaming=streaming, read_ahead=READ_AHEAD if prepared else 0,
+                              sequence_order_seed=int(getattr(data_cfg, "sequence_order_seed", 0)))
     logger.info("data: global batch %d = dp %d x local %d x %d accumulation steps",
                 loader.global_batch_size, dp_degree, local_batch_size, loader.grad_accum_steps)
     return loader

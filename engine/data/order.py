@@ -150,3 +150,24 @@ class MixtureSchedule:
         """Positions of each source among the global positions [0, position)."""
         block, slot = divmod(int(position), self.block)
         return [block * k + int(self.before[i, slot]) for i, k in enumerate(self.counts)]
+
+
+def sequence_permutation(n: int, seed: int) -> list[int]:
+    """A fixed reordering of a microbatch's ``n`` sequences (``data.sequence_order_seed``), never the
+    identity when ``n`` >= 2: the first ``n`` values of the window shuffle's bijection of [0, n) for
+    ``seed`` (stream "sequence-order", epoch 0), cyclically shifted by one when that is the identity.
+
+    Every loss term (token-sum cross entropy, z-loss, MoE balance over tokens or per sequence) is a
+    sum over sequences, so the step is the same in exact arithmetic; only the order of the float sums
+    over the batch changes (a weight gradient sums over tokens). Used for the noise floor of
+    engine/parity/noise.py.
+
+    Raises:
+        ValueError: ``n`` < 1 or ``seed`` < 1.
+    """
+    if n < 1 or seed < 1:
+        raise ValueError(f"sequence_permutation needs n >= 1 and seed >= 1, got n={n}, seed={seed}")
+    order = WindowPermutation(n, seed=seed, stream=-1, epoch=0)(np.arange(n, dtype=np.int64)).tolist()
+    if order == list(range(n)):
+        order = order[1:] + order[:1]
+    return order

@@ -35,11 +35,13 @@ def relative_difference(value: float, reference: float) -> float:
 
 
 def history_differences(got: list[tuple[float, float]], want: list[tuple[float, float]],
-                        precision: str = "float32") -> dict:
+                        precision: str = "float32", tolerances: list[float] | None = None) -> dict:
     """Worst relative difference of loss and grad norm over the steps, and the first failing step.
 
     Args:
         got, want: [(loss, grad_norm)] per step, 1-based order; a missing step counts as failing.
+        precision: whose :data:`TOLERANCES` apply; tolerances: per-step relative tolerances instead
+            (a measured noise floor's, engine/parity/noise.py), one per step of ``want``.
 
     Returns:
         {"loss": worst, "grad_norm": worst, "loss_step": its step, "grad_norm_step": its step,
@@ -52,7 +54,7 @@ def history_differences(got: list[tuple[float, float]], want: list[tuple[float, 
             diff = relative_difference(value, ref)
             if out[f"{key}_step"] is None or diff > out[key]:
                 out[key], out[f"{key}_step"] = diff, step
-            if diff > tolerance(step, precision):
+            if diff > (tolerance(step, precision) if tolerances is None else tolerances[step - 1]):
                 failing.append(step)
     out["first_failing_step"] = min(failing) if failing else None
     out["passed"] = out["first_failing_step"] is None

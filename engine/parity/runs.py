@@ -91,12 +91,14 @@ def launch(base_argv: list[str], overrides: dict, world_size: int, folder: str, 
     Args:
         base_argv: the user's config arguments (``--job.config_file``, overrides); ``overrides`` are
             added after them (the layout's and :func:`parity_overrides`'); ``folder`` must be new.
-        env: extra environment (e.g. ``QUADRA_PARITY_INJECT``) for the ranks.
+        env: extra environment (e.g. ``QUADRA_TEST_DEFECT``) for the ranks; a None value removes
+            the variable.
         timeout: seconds before the run is stopped and reported as failed.
     """
     os.makedirs(folder, exist_ok=True)
     argv = [sys.executable, "-m", "engine.launch", *base_argv, *to_argv(overrides)]
     run_env = {**os.environ, "NGPU": str(world_size), "NNODES": "1", **(env or {})}
+    run_env = {name: value for name, value in run_env.items() if value is not None}  # None: removed
     if "OMP_NUM_THREADS" not in os.environ:
         run_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world_size))
     log_path = os.path.join(folder, "launch.log")

@@ -17,6 +17,7 @@ import time
 from engine.parity.compare import (TOLERANCES, clipping_sides, engaging_max_norm, history_differences,
                                    parameter_differences)
 from engine.parity.layouts import REFERENCE, Layout, parse_layout
+from engine.parity.noise import MARGIN, REORDER, kernel_twin_env, history_floor, step_tolerances, tolerance_of
 from engine.parity.runs import launch, parity_overrides
 
 PRECISIONS = {"fp32": "float32", "fp64": "float64"}
@@ -38,13 +39,22 @@ class Sweep:
         steps: steps per run; precision: "float32" or "float64"; folder: where the run folders go;
         engage_clipping: re-run with a clipping ``max_norm`` when the config's clips no step;
         replay: the runs resume a checkpoint (``base_argv`` names it) and stop after step ``steps``;
-        say: a function printing one line of progress; env: extra environment for the ranks.
+        say: a function printing one line of progress; env: extra environment for the ranks;
+        noise_floor: judge every layout against the reference's measured noise floor
+            (engine/parity/noise.py) instead of ``precision``'s fixed tolerances; device_type: "cpu"
+            adds the other-kernel twin; local_batch_size: < 2 leaves out the reordered twin.
     """
 
     def __init__(self, base_argv: list[str], steps: int, precision: str, folder: str, *,
                  engage_clipping: bool = True, say=print, env: dict | None = None, replay: bool = False,
-                 locate_from: int = 0):
+                 locate_from: int = 0, noise_floor: bool = False, device_type: str = "cpu",
+                 local_batch_size: int = 2):
         self.base_argv, self.steps, self.precision, self.folder = list(base_argv), steps, precision, folder
+        self.noise_floor, self.device_type, self.local_batch_size = noise_floor, device_type, local_batch_size
+        self.floor: list[float] = []  # F_s per step (engine/parity/noise.py); empty: fixed tolerances
+        self.parameter_floor = 0.0
+        self.twins: dict[str, list] = {}  # twin name: its history
+        self.twin_floors: dict[str, float] = {}  # twin name: its worst difference from the reference
         self.engage_clipping, self.say, self.env, self.replay = engage_clipping, say, env, replay
         self.extra: dict = {}  # overrides the sweep adds to every run (training.max_norm)
         # --locate: every run records its first step (``locate_from``, 1-based); the reference also
@@ -57,10 +67,40 @@ class Sweep:
         self.reference_weights = None
         self.clipping: dict = {}
 
-    def _run(self, layout: Layout, tag: str, more: dict | None = None):
+    def _run(self, layout: Layout, tag: str, more: dict | None = None, env: dict | None = None):
         overrides = {**layout.overrides, **self.extra,
                      **parity_overrides(os.path.join(self.folder, tag), self.steps, self.replay), **(more or {})}
-        return launch(self.base_argv, overrides, layout.world_size, os.path.join(self.folder, tag), env=self.env)
+        return launch(self.base_argv, overrides, layout.world_size, os.path.join(self.folder, tag),
+                      env={**(self.env or {}), **(env or {})})
+
+    def measure_floor(self) -> dict:
+        """Train the reference's twins (engine/parity/noise.py) and set :attr:`floor` and
+        :attr:`parameter_floor`; returns {twin name: its worst relative difference from the reference}.
+
+        Raises:
+            RuntimeError: no twin applies (local_batch_size 1 on a GPU), or a twin's run failed.
+        """
+        twins = {}
+        if self.local_batch_size >= 2:
+            twins["reordered sequences"] = (REORDER, None)
+        if self.device_type == "cpu":
+            twins["other CPU kernels"] = ({}, kernel_twin_env())
+        if not twins:
+            raise RuntimeError("no noise-floor twin applies: the reordered-sequence twin needs "
+                               "training.local_batch_size >= 2 (the kernel twin runs on the CPU only)")
+        worst = {}
+        for index, (name, (more, env)) in enumerate(twins.items()):
+            run = self._run(parse_layout(REFERENCE), f"noise_twin_{index}", {**self._reference_more(), **more}, env)
+            if run.error:
+                raise RuntimeError(f"the noise-floor twin ({name}) failed: {run.error}")
+            self.twins[name] = run.history
+            worst[name] = history_floor(self.reference.history, [run.history])[-1]
+            weights = _weights(run)
+            if weights is not None and self.reference_weights is not None:
+                self.parameter_floor = max(self.parameter_floor, parameter_differences(weights, self.reference_weights)[0])
+        self.floor = history_floor(self.reference.history, list(self.twins.values()))
+        self.twin_floors = worst
+        return worst
 
     def _reference_more(self) -> dict:
         return {"checkpoint.interval": 1, "checkpoint.keep_latest_k": 0} if self.locate_from else {}
@@ -95,6 +135,8 @@ class Sweep:
         self.reference_weights = _weights(self.reference)
         self.clipping = {"max_norm": max_norm, "clipped_steps": clipped, "unclipped_steps": unclipped,
                          "engaged": clipped > 0, "note": note}
+        if self.noise_floor:
+            self.measure_floor()
         return self.clipping
 
     def compare(self, layout: Layout) -> dict:
@@ -103,13 +145,17 @@ class Sweep:
         result = self._run(layout, layout.name.replace(":", "_"))
         row = {"layout": layout.name, "world_size": layout.world_size, "overrides": {**layout.overrides, **self.extra},
                "history": result.history, "seconds": round(result.seconds, 1), "error": result.error}
-        diffs = history_differences(result.history, self.reference.history, self.precision)
+        tolerances = step_tolerances(self.floor) if self.floor else None
+        diffs = history_differences(result.history, self.reference.history, self.precision, tolerances)
         row.update(diffs)
+        if self.floor:
+            row.update(floor=self.floor[-1], parameter_floor=self.parameter_floor)
         weights = _weights(result) if not result.error else None
         if weights is not None and self.reference_weights is not None:
             worst, name, missing = parameter_differences(weights, self.reference_weights)
             row.update(params=worst, params_tensor=name, params_missing=missing)
-            params_ok = not missing and worst <= TOLERANCES[self.precision][1]
+            limit = tolerance_of(self.parameter_floor) if self.floor else TOLERANCES[self.precision][1]
+            params_ok = not missing and worst <= limit
         else:
             row.update(params=None, params_tensor=None, params_missing=[])
             params_ok = False
@@ -161,7 +207,8 @@ def original_row(run_folder: str, sweep: Sweep, start_step: int) -> dict:
     from engine.parity.runs import read_history
 
     history = read_history(run_folder, first_step=start_step + 1)[:len(sweep.reference.history)]
-    diffs = history_differences(history, sweep.reference.history, sweep.precision)
+    diffs = history_differences(history, sweep.reference.history, sweep.precision,
+                                step_tolerances(sweep.floor) if sweep.floor else None)
     return {"layout": "original run", "world_size": "-", "history": history, "seconds": 0.0, "error": None,
             **diffs, "params": None, "params_tensor": None, "params_missing": [], "passed": diffs["passed"]}
 
@@ -170,15 +217,19 @@ def progress_line(row: dict) -> str:
     """One line per finished layout: verdict, worst differences, seconds."""
     def number(key):
         return "n/a" if row.get(key) is None else f"{row[key]:.2e}"
+    floor = f"  (floor: steps {number('floor')}, params {number('parameter_floor')})" if "floor" in row else ""
     return (f"{row['layout']}: {'pass' if row['passed'] else 'FAIL'}  loss {number('loss')}  grad_norm "
-            f"{number('grad_norm')}  params {number('params')}  ({row['seconds']:.0f} s)")
+            f"{number('grad_norm')}  params {number('params')}{floor}  ({row['seconds']:.0f} s)")
 
 
-def format_table(rows: list[dict], precision: str) -> str:
+def format_table(rows: list[dict], precision: str, sweep: Sweep | None = None) -> str:
     """The report table: per layout the worst relative difference of loss, grad norm (with its step)
-    and final parameters, pass/fail at ``precision``'s tolerance and the run's seconds."""
+    and final parameters, pass/fail at ``precision``'s tolerance (or, when ``sweep`` measured a noise
+    floor, against that floor, shown in its own column) and the run's seconds."""
     first, later = TOLERANCES[precision]
-    head = ("layout", "procs", "loss rel diff", "grad_norm rel diff", "params rel diff", "result", "time")
+    floor = sweep.floor if sweep is not None else []
+    head = ("layout", "procs", "loss rel diff", "grad_norm rel diff", "params rel diff",
+            *(("floor (steps / params)",) if floor else ()), "result", "time")
     lines = [head]
     for row in rows:
         def cell(key):
@@ -188,11 +239,19 @@ def format_table(rows: list[dict], precision: str) -> str:
         verdict = "pass" if row["passed"] else ("FAIL: run failed" if row.get("error") else
                                                  f"FAIL (step {row['first_failing_step']})"
                                                  if row.get("first_failing_step") else "FAIL (params)")
+        floor_cell = (f"{floor[-1]:.2e} / {sweep.parameter_floor:.2e}",) if floor else ()
         lines.append((row["layout"], str(row["world_size"]), cell("loss"), cell("grad_norm"), cell("params"),
-                      verdict, f"{row['seconds']:.0f} s"))
+                      *floor_cell, verdict, f"{row['seconds']:.0f} s"))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     text = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
     text.insert(1, "  ".join("-" * w for w in widths))
-    text.append(f"tolerance ({precision}): relative {first:g} at step 1, {later:g} at later steps and for "
-                f"the final parameters (max|a-b| / max|b| per tensor)")
+    if floor:
+        steps = ", ".join(f"{value:.1e}" for value in floor)
+        text.append(f"tolerance (noise floor, engine/parity/noise.py): {MARGIN:g} x max(floor, 2^-23), the floor "
+                    f"being the largest relative difference of the reference's twins ({', '.join(sweep.twins)}) "
+                    f"up to each step ({steps}) and of their final parameters ({sweep.parameter_floor:.1e}; "
+                    f"max|a-b| / max|b| per tensor)")
+    else:
+        text.append(f"tolerance ({precision}): relative {first:g} at step 1, {later:g} at later steps and for "
+                    f"the final parameters (max|a-b| / max|b| per tensor)")
     return "\n".join(text)
