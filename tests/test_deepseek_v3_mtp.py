@@ -88,6 +88,31 @@ def test_mtp_objective_equals_plain_recomputation(model, chunk_tokens, documents
     assert torch.allclose(logged, sum(s / c for s, c in zip(sums, counts)) / len(sums), rtol=1e-12)
 
 
+@pytest.mark.parametrize("chunk_tokens", [0, 16], ids=["unfused", "fused"])
+def test_z_loss_is_added_to_the_main_head_with_mtp(model, chunk_tokens):
+    """PaLM's z-loss (Chowdhery et al. 2022, Sec. 5) on the MTP path: the objective gains
+    weight x Σ logsumexp(main logits)^2 over the label tokens, computed here from the logits, and the
+    run's ZLoss logs that sum (it was dropped: z_loss 0 and the same loss as without it)."""
+    from engine.train.loss import ZLoss
+
+    tokens, labels, _ = _batch(model.model_args.vocab_size, False)
+    main, sums, _ = _reference(model, tokens, labels)
+    h = model.tok_embeddings(tokens)
+    for layer in model.layers.values():
+        h = layer(h, model.rope_cos, model.rope_sin)
+    z_want = 1e-2 * torch.logsumexp(model.output(model.norm(h)), dim=-1).square().sum()
+    model.z_loss = ZLoss(1e-2)
+    try:
+        got = model(tokens, labels=labels, loss_chunk_tokens=chunk_tokens)
+        logged = model.z_loss.take()
+    finally:
+        del model.z_loss
+        model.mtp_stats.zero_()
+    assert torch.allclose(torch.as_tensor(logged, dtype=torch.float64), z_want, rtol=1e-12, atol=0), (logged, z_want)
+    want = main + z_want + WEIGHT * sum(sums) / len(sums)
+    assert torch.allclose(got, want, rtol=1e-12, atol=0), (got.item(), want.item())
+
+
 def test_routing_metrics_average_over_every_routed_block_the_mtp_depths_included(model):
     """``moe_balance_loss`` (1.0 when balanced) and the tokens-per-expert cv are means over every MoE
     block that routed tokens: the MTP depths' blocks route too (their sum over the main blocks' count

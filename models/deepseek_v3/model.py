@@ -247,7 +247,10 @@ class DeepseekV3Transformer(MoETransformer):
         if self.mtp is None or labels is None:
             return super().forward(tokens, positions, documents, labels, loss_chunk_tokens)
         h, (cos, sin, extra) = self.trunk(tokens, positions, documents)
-        main = self._token_sum(self.norm(h), labels, loss_chunk_tokens)
+        # the run's z-loss on the main head's logits, in training only (as Transformer.head); the MTP
+        # depths' heads take none (DeepSeek-V3 uses no z-loss; PaLM's is on the model's prediction)
+        z_loss = getattr(self, "z_loss", None) if torch.is_grad_enabled() else None
+        main = self._token_sum(self.norm(h), labels, loss_chunk_tokens, z_loss)
         if not self.training:
             return main
         if mtp_tokens is None:
@@ -259,12 +262,13 @@ class DeepseekV3Transformer(MoETransformer):
         mtp_sum = self._mtp_token_sum(h, mtp_tokens, mtp_labels, (cos, sin, extra), loss_chunk_tokens)
         return main + self.mtp_weight * mtp_sum
 
-    def _token_sum(self, h: torch.Tensor, targets: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
-        """Σ cross entropy of the shared head on normed ``h`` (``token_sum_cross_entropy``). Under
+    def _token_sum(self, h: torch.Tensor, targets: torch.Tensor, chunk_tokens: int, z_loss=None) -> torch.Tensor:
+        """Σ cross entropy of the shared head on normed ``h`` (``token_sum_cross_entropy``, with the
+        run's ``z_loss`` when given). Under
         tensor parallel the head is vocab-sharded: the fused loss is Megatron's vocab-parallel one
         (models/linear_cross_entropy.py); the unfused loss takes vocab-sharded logits inside the
         runner's ``loss_parallel()`` and returns a Replicate DTensor."""
-        return token_sum_cross_entropy(h, self.output.weight, targets, chunk_tokens)
+        return token_sum_cross_entropy(h, self.output.weight, targets, chunk_tokens, z_loss)
 
     def _mtp_token_sum(self, h, mtp_tokens, mtp_labels, block_inputs, chunk_tokens: int) -> torch.Tensor:
         """(1/D) Σ_k depth k's token-sum cross entropy (models/deepseek_v3/mtp.py); adds each depth's

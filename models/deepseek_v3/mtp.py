@@ -85,12 +85,20 @@ def mtp_targets(labels: torch.Tensor, depth: int, documents: torch.Tensor | None
 
 
 def token_sum_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                            chunk_tokens: int) -> torch.Tensor:
+                            chunk_tokens: int, z_loss=None) -> torch.Tensor:
     """Σ cross entropy (fp32, nats) of ``h @ weight.T`` [B, S, V] against ``labels`` [B, S]: fused over
     chunks of ``chunk_tokens`` tokens (models/linear_cross_entropy.py) when > 0, else on full logits
-    (as engine/train/loss.py's unfused loss)."""
+    (as engine/train/loss.py's unfused loss). ``z_loss`` (an object with ``weight`` and ``add``, the
+    run's z-loss, or None): adds PaLM's ``weight * logsumexp(logits)^2`` per label token (Chowdhery
+    et al. 2022, Sec. 5) and hands its token sum to ``z_loss.add``."""
+    weight_z = float(z_loss.weight) if z_loss is not None else 0.0
     if chunk_tokens > 0:
-        return linear_cross_entropy_sum(h, weight, labels, chunk_tokens)
+        return linear_cross_entropy_sum(h, weight, labels, chunk_tokens, weight_z, z_loss.add if weight_z else None)
     logits = F.linear(h, weight)
-    return F.cross_entropy(logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
-                           labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX)
+    flat = logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32))
+    loss = F.cross_entropy(flat, labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX)
+    if weight_z:
+        z_sum = weight_z * (torch.logsumexp(flat, dim=-1).square() * (labels.flatten(0, 1) != IGNORE_INDEX)).sum()
+        z_loss.add(z_sum)
+        loss = loss + z_sum
+    return loss
