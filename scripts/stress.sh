@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Run one command many times with glibc's heap checks on, and count how each run ended.
 #
-#   scripts/stress.sh [-n RUNS] [-t MAX_SECONDS] [-o LOG_DIR] [-k] [--] COMMAND [ARGS...]
+#   scripts/stress.sh [-n RUNS] [-t MAX_SECONDS] [-o LOG_DIR] [-k] [-m check|plain] [--] COMMAND [ARGS...]
 #
 #   -n RUNS         runs at most (default 20)
 #   -t MAX_SECONDS  total wall time: no run starts after it, a running one is stopped at it (default 3600)
 #   -o LOG_DIR      where each failing run's log is kept (default /tmp/stress-<date>-<pid>)
 #   -k              keep every run's log, not only the failing ones
+#   -m MODE         check (default): the heap checks below; plain: glibc's own allocator with its tcache
+#                   (whose always-on checks said "malloc(): unaligned tcache chunk detected" in issue #54,
+#                   and which the checked allocator bypasses) and MALLOC_PERTURB_ only
 #
 # Each run gets (in its environment; COMMAND sees STRESS_RUN=<1..RUNS> to make its folders distinct):
 #   MALLOC_CHECK_=3, GLIBC_TUNABLES=glibc.malloc.check=3 and, on glibc >= 2.34 (where the checks moved out of
@@ -22,17 +25,17 @@
 # else 1; 2 for a usage error. Outside the test suite (minutes to hours).
 set -uo pipefail
 
-runs=20 max_s=3600 log_dir="" keep_all=0
-usage() { echo "usage: $0 [-n RUNS] [-t MAX_SECONDS] [-o LOG_DIR] [-k] [--] COMMAND [ARGS...]" >&2; exit 2; }
-while getopts "n:t:o:kh" opt; do
+runs=20 max_s=3600 log_dir="" keep_all=0 mode=check
+usage() { echo "usage: $0 [-n RUNS] [-t MAX_SECONDS] [-o LOG_DIR] [-k] [-m check|plain] [--] COMMAND [ARGS...]" >&2; exit 2; }
+while getopts "n:t:o:km:h" opt; do
   case $opt in
-    n) runs=$OPTARG ;; t) max_s=$OPTARG ;; o) log_dir=$OPTARG ;; k) keep_all=1 ;; *) usage ;;
+    n) runs=$OPTARG ;; t) max_s=$OPTARG ;; o) log_dir=$OPTARG ;; k) keep_all=1 ;; m) mode=$OPTARG ;; *) usage ;;
   esac
 done
 shift $((OPTIND - 1))
 [ "${1:-}" = "--" ] && shift
 [ $# -gt 0 ] || usage
-[[ $runs =~ ^[0-9]+$ && $max_s =~ ^[0-9]+$ ]] || usage
+[[ $runs =~ ^[0-9]+$ && $max_s =~ ^[0-9]+$ && $mode =~ ^(check|plain)$ ]] || usage
 log_dir=${log_dir:-/tmp/stress-$(date +%Y%m%d-%H%M%S)-$$}
 mkdir -p "$log_dir"
 
@@ -41,7 +44,10 @@ glibc=$(getconf GNU_LIBC_VERSION 2>/dev/null | awk '{print $2}')
 check_env=(MALLOC_CHECK_=3 "GLIBC_TUNABLES=${GLIBC_TUNABLES:+$GLIBC_TUNABLES:}glibc.malloc.check=3"
            PYTHONFAULTHANDLER=1 LIBC_FATAL_STDERR_=1)
 mechanism="MALLOC_CHECK_=3 + GLIBC_TUNABLES=glibc.malloc.check=3"
-if [ -n "$glibc" ] && [ "$(printf '%s\n' 2.34 "$glibc" | sort -V | head -1)" = 2.34 ]; then
+if [ "$mode" = plain ]; then
+  check_env=(PYTHONFAULTHANDLER=1 LIBC_FATAL_STDERR_=1)
+  mechanism="plain glibc ${glibc:-unknown} allocator (tcache on) + MALLOC_PERTURB_"
+elif [ -n "$glibc" ] && [ "$(printf '%s\n' 2.34 "$glibc" | sort -V | head -1)" = 2.34 ]; then
   if /sbin/ldconfig -p 2>/dev/null | grep -q 'libc_malloc_debug.so.0' || ls /lib*/*/libc_malloc_debug.so.0 >/dev/null 2>&1; then
     check_env+=("LD_PRELOAD=libc_malloc_debug.so.0${LD_PRELOAD:+ $LD_PRELOAD}")
     mechanism="LD_PRELOAD=libc_malloc_debug.so.0 + $mechanism (glibc $glibc)"
@@ -53,7 +59,9 @@ else
 fi
 
 probe_dir=$(mktemp -d)
-if command -v gcc >/dev/null; then
+if [ "$mode" = plain ]; then
+  echo "heap checks: $mechanism"
+elif command -v gcc >/dev/null; then
   printf '#include <stdlib.h>\nint main(void){char *p = malloc(20); p[20] = 65; free(p); return 0;}\n' > "$probe_dir/p.c"
   if gcc -O0 -o "$probe_dir/p" "$probe_dir/p.c" 2>/dev/null; then
     { env "${check_env[@]}" MALLOC_PERTURB_=165 "$probe_dir/p" > "$probe_dir/out" 2>&1; } 2>/dev/null
