@@ -122,6 +122,24 @@ def test_without_restarts_a_killed_rank_ends_the_job_as_before(corpus, tmp_path)
     assert (attempt["last_step"], attempt["end"]) == (6, "rank 1 ended with signal SIGKILL")
 
 
+def test_a_crashed_rank_is_named_with_its_glibc_and_faulthandler_lines(corpus, tmp_path):
+    """Rank 1 frees one malloc block twice at the start of step 2 (glibc aborts it: SIGABRT), its output
+    hidden by LOG_RANKS=0: the launcher's last line names the signal, glibc's message, faulthandler's
+    first line and the crashing Python frame, and prints the rank's stacks above it; the ledger's
+    cause says the same."""
+    folder = str(tmp_path / "run")
+    proc = _launch(_args(folder, corpus, **{"training.steps": 3, "checkpoint.enable": "false"}),
+                   QUADRA_TEST_FAULT="double_free:1:2", LOG_RANKS="0")
+    out = _finish(proc)
+    assert proc.returncode == 1, out[-3000:]
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("quadra: rank 1 ended with signal SIGABRT: free(): double free detected"), out[-3000:]
+    assert "; Fatal Python error: Aborted; in _crash (engine/observe/hang.py:" in last, last
+    assert "[rank1] Current thread" in out and 'in test_hook' in out, out[-3000:]
+    (attempt,) = _records(folder, "attempt")
+    assert attempt["end"].startswith("rank 1 ended with signal SIGABRT: free(): double free detected"), attempt
+
+
 def test_an_incurable_failure_is_not_retried(corpus, reference, tmp_path):
     """The only checkpoint damaged (a flipped byte): the ranks refuse it; with a restart left the job
     still ends at once, in one line, exit 2, after one attempt."""

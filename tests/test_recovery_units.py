@@ -11,7 +11,7 @@ import signal
 
 import pytest
 
-from engine.launch.failures import PEER_FAILURE, failure_cause, incurable
+from engine.launch.failures import PEER_FAILURE, crash_report, crash_summary, failure_cause, incurable
 from engine.observe.goodput import AttemptLedger, ledger
 from engine.observe.hang import missing_ranks
 
@@ -23,6 +23,28 @@ def test_only_deaths_without_a_reason_are_curable():
     # The SIGKILLed rank is the cause, not the survivor that lost it or that torchrun stopped.
     assert failure_cause({0: 1, 1: -int(signal.SIGKILL)}, lost_peer) == "rank 1 ended with signal SIGKILL"
     assert failure_cause({0: -int(signal.SIGTERM), 1: 3}, {}) == "rank 1 ended with exit status 3"
+
+
+def test_a_crash_report_is_read_back_from_the_ranks_stderr(tmp_path):
+    """glibc's message (written without a newline, so faulthandler's first line follows on the same line)
+    and faulthandler's block: the crashing thread's stack first; nothing from a file without them."""
+    stderr = tmp_path / "stderr.log"
+    stderr.write_text(
+        "some warning\nmalloc(): unaligned tcache chunk detected\nFatal Python error: Aborted\n\n"
+        'Thread 0x00007f01 (most recent call first):\n  File "/x/read.py", line 9 in _run\n\n'
+        'Current thread 0x00007f02 (most recent call first):\n  File "/x/step.py", line 3 in step\n'
+        '  File "/x/main.py", line 1 in <module>\n\nExtension modules: numpy (total: 1)\n')
+    report = crash_report(str(stderr))
+    assert report[:4] == ["malloc(): unaligned tcache chunk detected", "Fatal Python error: Aborted",
+                          "Current thread 0x00007f02 (most recent call first):", '  File "/x/step.py", line 3 in step']
+    assert report[-1] == '  File "/x/read.py", line 9 in _run'
+    assert crash_summary(report) == ("malloc(): unaligned tcache chunk detected; Fatal Python error: Aborted; "
+                                     "in step (/x/step.py:3)")
+    stderr.write_text("free(): double free detected in tcache 2Fatal Python error: Aborted\n")
+    assert crash_report(str(stderr)) == ["free(): double free detected in tcache 2", "Fatal Python error: Aborted"]
+    stderr.write_text("an ordinary warning\n")
+    assert crash_report(str(stderr)) == [] and crash_report(str(tmp_path / "none")) == []
+    assert failure_cause({0: -int(signal.SIGABRT)}, {}, {0: "malloc(): x"}) == "rank 0 ended with signal SIGABRT: malloc(): x"
 
 
 def _fr(folder, rank: int, collectives: list[tuple[str, int, str]]) -> None:

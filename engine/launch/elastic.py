@@ -16,6 +16,10 @@ point torchelastic documents: "Customization", docs.pytorch.org/docs/stable/elas
   (attempt K, the failed rank and how it ended, the time) to the same folder; rank 0 of attempt K
   says it in one line together with the step it resumed from (engine/train/recovery.py), and the
   goodput ledger reads the times (engine/observe/goodput.py).
+- **a crashed rank's last words are kept.** The launcher has torchrun write each rank's stderr to a
+  file (``--redirects 2``); the agent shows it as it grows, without a prefix, as if it were the
+  terminal (:class:`StderrTail`), and the failure's cause carries the crashed rank's glibc and
+  faulthandler lines (engine/launch/failures.py :func:`crash_report`).
 - **hangs are named.** A rank whose watchdog fired (engine/observe/hang.py) exits with
   :data:`HANG_EXIT` after writing its stack and torch's Flight Recorder record to
   ``<run folder>/hangs/attempt-K/``; the agent waits for every rank's record and names the ranks that
@@ -31,13 +35,15 @@ from __future__ import annotations
 import glob
 import json
 import os
+import sys
 import time
 
 import torch.distributed.launcher.api as launcher_api
 from torch.distributed.elastic.agent.server.api import WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
-from engine.launch.failures import failure_cause, incurable, read_reasons
+from engine.launch.failures import crash_report, crash_summary, failure_cause, incurable, read_reasons
 from engine.observe.hang import HANG_EXIT, await_records, hang_folder, missing_ranks
 
 HANG_WAIT_S = 60.0  # how long the agent waits for every rank's hang record once one rank reported (it ends
@@ -65,8 +71,9 @@ def _ranks(ranks: list[int]) -> str:
 
 
 class Recovery:
-    """What the agent and the launcher share about one launch: the folders, the restart budget and
-    the cause of the last failure (``last_cause``; ``hang``: it was a hang, one line to print)."""
+    """What the agent and the launcher share about one launch: the folders, the restart budget, the
+    cause of the last failure (``last_cause``; ``hang``: it was a hang, one line to print) and the
+    stderr file of each rank of this node in the current attempt (``stderr_files``: {global rank: path})."""
 
     def __init__(self, error_dir: str, run_folder: str, max_restarts: int, hang_timeout_s: float,
                  stop_requested=lambda: False):
@@ -75,6 +82,7 @@ class Recovery:
         self.stop_requested = stop_requested
         self.last_cause: str | None = None
         self.hang: str | None = None
+        self.stderr_files: dict[int, str] = {}
 
     def attempt_started(self, attempt: int) -> None:
         """Before attempt ``attempt``'s ranks start: forget the reasons of the attempt before (its
@@ -95,7 +103,9 @@ class Recovery:
             self.hang = hang_line(self.run_folder, attempt, world_size, self.hang_timeout_s)
             self.last_cause = "a " + self.hang.removeprefix("quadra: ")
         else:
-            self.last_cause = failure_cause(codes, messages)
+            crashes = {rank: crash_summary(crash_report(self.stderr_files.get(rank)))
+                       for rank, failure in failures.items() if failure.exitcode < 0}
+            self.last_cause = failure_cause(codes, messages, {r: c for r, c in crashes.items() if c})
         curable = not incurable(messages) and not self.stop_requested()
         if curable and restarts_left > 0:
             _write_json(os.path.join(self.error_dir, f"restart-{attempt + 1}.json"),
@@ -112,17 +122,50 @@ def _write_json(path: str, record: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
+class StderrTail:
+    """Shows the ranks' stderr files on this process's stderr as they grow, lines unchanged (torchrun's
+    own ``--tee`` would prefix each line with ``[default<local rank>]:``).
+
+    Args:
+        files: {local rank: its stderr file}; ranks without a file (not redirected) are skipped.
+        shown: local ranks to show (``LOG_RANKS``); None: all.
+    """
+
+    def __init__(self, files: dict[int, str], shown: set[int] | None = None):
+        files = {r: p for r, p in files.items() if p and p != os.devnull and (shown is None or r in shown)}
+        self._tail = TailLog("rank", files, sys.stderr, {r: "" for r in files}).start() if files else None
+
+    def stop(self) -> None:
+        """Show what is left up to the end of each file (the ranks have ended), then stop."""
+        if self._tail is not None:
+            self._tail.stop()
+            self._tail = None
+
+
 class QuadraAgent(LocalElasticAgent):
-    """torchrun's local agent that asks :class:`Recovery` before each restart (module docstring)."""
+    """torchrun's local agent that asks :class:`Recovery` before each restart and shows the ranks'
+    redirected stderr (module docstring)."""
 
     recovery: Recovery  # set on the subclass :func:`run_elastic` makes
+    _stderr_tail: StderrTail | None = None
 
     def _attempt(self) -> int:
         return self._worker_group.spec.max_restarts - self._remaining_restarts
 
     def _start_workers(self, worker_group):
         self.recovery.attempt_started(self._attempt())
-        return super()._start_workers(worker_group)
+        pids = super()._start_workers(worker_group)
+        files = dict(getattr(self._pcontext, "stderrs", {}) or {})  # {local rank: path or ""}
+        self.recovery.stderr_files = {w.global_rank: files[w.local_rank] for w in worker_group.workers
+                                      if files.get(w.local_rank) not in (None, "", os.devnull)}
+        self._stderr_tail = StderrTail(files, getattr(self._logs_specs, "_local_ranks_filter", None))
+        return pids
+
+    def _shutdown(self, *args, **kwargs) -> None:
+        super()._shutdown(*args, **kwargs)  # the ranks are gone: their files end here
+        if self._stderr_tail is not None:
+            self._stderr_tail.stop()
+            self._stderr_tail = None
 
     def _monitor_workers(self, worker_group):
         result = super()._monitor_workers(worker_group)

@@ -9,7 +9,9 @@ which still starts, watches and stops the ranks):
 2. **One line per failure.** When ranks fail, each writes its one-line reason to a file in
    ``QUADRA_ERROR_DIR`` (see engine/train/main.py) instead of the terminal; this process prints each
    distinct reason once, with the ranks that gave it, and exits with their status (2 for set-up
-   errors), without torchrun's traceback. ``QUADRA_TRACEBACK=1`` shows everything instead.
+   errors), without torchrun's traceback. ``QUADRA_TRACEBACK=1`` shows everything instead. A rank
+   that crashed (a signal) is named with its last glibc / faulthandler lines, read back from its stderr,
+   which torchrun writes to a file (``--redirects 2``) and the agent shows as it grows.
 3. **Signals, however delivered.** SIGTERM and SIGUSR1 (scancel, ``--signal=USR1@120``, ``kill``,
    ``kill -- -<pgid>``, a container stop) to this process are forwarded to the ranks, which finish
    the current step, save a checkpoint together and exit 0 (engine/train/signals.py); torchrun is not
@@ -39,7 +41,7 @@ import sys
 import tempfile
 import time
 
-from engine.launch.failures import PEER_FAILURE  # what a rank says when a collective lost a peer
+from engine.launch.failures import PEER_FAILURE, crash_report, crash_summary, how_it_ended  # torch-free
 from engine.launch.replica_groups import (ReplicaLaunchError, check_lighthouse, group_arguments,  # torch-free
                                           launch_replica_groups, lighthouse_address)
 
@@ -185,15 +187,16 @@ def _kill_children(signum: int) -> None:
                 pass
 
 
-
-
-def _summarize_failure(error, error_dir: str, signals: _Signals) -> int:
+def _summarize_failure(error, error_dir: str, signals: _Signals, stderr_files: dict[int, str] | None = None) -> int:
     """One line per root cause of a failed run; returns the exit status.
 
     Root causes, in this order: the ranks' own one-line reasons (error files), except the
     "another rank went away" of ranks that only lost a peer; else the ranks that died without a
     reason (a signal other than the SIGTERM torchrun sends the survivors, or a crash); else that
-    collateral. Identical reasons from several ranks print once.
+    collateral. Identical reasons from several ranks print once. A rank ended by a signal whose stderr
+    file (``stderr_files``: {global rank: path}) holds a crash report (glibc's heap-check message,
+    faulthandler's stacks: engine/launch/failures.py) is named with it; the report's lines are printed
+    before that line when ``LOG_RANKS`` hid the rank.
     """
     if signals.interrupts >= 2:
         _say("quadra: stopped at once by a second Ctrl-C (SIGINT); the same command resumes from the newest "
@@ -206,7 +209,8 @@ def _summarize_failure(error, error_dir: str, signals: _Signals) -> int:
                 text = f.read().strip()
             if text:
                 messages[int(name[4:-4])] = text
-    codes = {rank: failure.exitcode for rank, failure in getattr(error, "failures", {}).items()}
+    failures = getattr(error, "failures", {})
+    codes = {rank: failure.exitcode for rank, failure in failures.items()}
     own = {rank: text for rank, text in messages.items() if not text.startswith(PEER_FAILURE)}
     if own:
         grouped: dict[str, list[int]] = {}
@@ -220,12 +224,26 @@ def _summarize_failure(error, error_dir: str, signals: _Signals) -> int:
     died = {rank: code for rank, code in codes.items()
             if rank not in messages and code != -int(signal.SIGTERM)}
     for rank, code in sorted((died or {r: c for r, c in codes.items() if r not in messages}).items()):
-        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
-        _say(f"quadra: rank {rank} ended with {how} (killed, out of memory, or a crash shown above); the "
-             "other ranks were stopped. Rerun with QUADRA_TRACEBACK=1 for every rank's traceback")
+        report = crash_report((stderr_files or {}).get(rank)) if code < 0 else []
+        if not report:
+            _say(f"quadra: rank {rank} ended with {how_it_ended(code)} (killed, out of memory, or a crash shown "
+                 "above); the other ranks were stopped. Rerun with QUADRA_TRACEBACK=1 for every rank's traceback")
+            continue
+        if not _rank_shown(getattr(failures.get(rank), "local_rank", None)):
+            for line in report:
+                _say(f"[rank{rank}] {line}")
+        stacks = " (its stacks are above)" if any(line.startswith("Current thread") for line in report) else ""
+        _say(f"quadra: rank {rank} ended with {how_it_ended(code)}: {crash_summary(report)}{stacks}; the other ranks "
+             "were stopped")
     if not died and messages:
         _say(next(iter(messages.values())))
     return 1
+
+
+def _rank_shown(local_rank: int | None) -> bool:
+    """Whether this local rank's output reached the terminal (``LOG_RANKS``, e.g. ``0,2``; unset: all)."""
+    ranks = os.environ.get("LOG_RANKS", "")
+    return not ranks or local_rank is None or str(local_rank) in [r.strip() for r in ranks.split(",")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -361,6 +379,9 @@ def _launch(cfg, torchrun_argv: list[str], max_restarts: int, launch_time: float
     signals = _Signals()
     recovery = Recovery(error_dir, cfg.run_folder, max_restarts, cfg.comm.hang_timeout_seconds,
                         stop_requested=lambda: signals.received is not None)
+    # Each rank's stderr goes to a file (and on to the terminal through the agent, engine/launch/elastic.py)
+    # so that a crashed rank's glibc / faulthandler lines can be named in the verdict.
+    torchrun_argv = [f"--log-dir={os.path.join(error_dir, 'ranks')}", "--redirects=2", *torchrun_argv]
     try:
         run_elastic(torchrun_argv, recovery)
         return 0
@@ -371,7 +392,7 @@ def _launch(cfg, torchrun_argv: list[str], max_restarts: int, launch_time: float
             _say(recovery.hang)
             status = 1
         else:
-            status = _summarize_failure(error, error_dir, signals)
+            status = _summarize_failure(error, error_dir, signals, recovery.stderr_files)
         append_failed_launch(error_dir, cfg.run_folder, launch_time)  # the goodput ledger of the launch
         return status
     finally:

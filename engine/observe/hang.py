@@ -180,7 +180,9 @@ def test_hook(step: int, rank: int, wait_for_every_group=None) -> None:
     sleeps, ``kill`` SIGKILLs the rank, ``kill_node`` SIGKILLs the rank's launcher (the node is gone for
     good; its ranks follow it), ``rejoin`` calls ``wait_for_every_group`` (a torchft group's next
     quorum waits for every group: a restarted one rejoins at this step, however long its restart
-    takes); several faults are comma-separated. No-op otherwise."""
+    takes), ``abort`` calls ``os.abort()`` (SIGABRT), ``segv`` reads address 0 (SIGSEGV), ``double_free``
+    frees one malloc block twice (glibc's ``free(): double free detected ...``, then SIGABRT); several
+    faults are comma-separated. No-op otherwise."""
     specs = os.environ.get("QUADRA_TEST_FAULT")
     if not specs:
         return
@@ -197,3 +199,21 @@ def test_hook(step: int, rank: int, wait_for_every_group=None) -> None:
         elif int(fault_step) == step and kind in ("kill", "kill_node"):
             os.kill(os.getppid() if kind == "kill_node" else os.getpid(), signal.SIGKILL)
             time.sleep(60)  # the signal ends this process (kill_node: through die_with_parent)
+        elif int(fault_step) == step and kind in ("abort", "segv", "double_free"):
+            _crash(kind)
+
+
+def _crash(kind: str) -> None:
+    """Crash this process as native code would: ``abort``, ``segv`` or ``double_free`` (see test_hook)."""
+    import ctypes
+
+    if kind == "abort":
+        os.abort()
+    if kind == "segv":
+        ctypes.string_at(0)
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+    block = libc.malloc(64)
+    libc.free(block)
+    libc.free(block)
+    os.abort()  # where the allocator did not notice

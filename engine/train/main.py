@@ -5,12 +5,14 @@ errors (bad settings, mismatched sizes, missing files) exit with status 2 before
 diverged loss exits with status 1; a second Ctrl-C outside the launcher exits 130. The reason is one
 line: written to ``$QUADRA_ERROR_DIR/rank<N>.err`` when the launcher set that (it prints each distinct
 reason once), else printed with a ``[rankN]`` prefix. Set ``QUADRA_TRACEBACK=1`` to see full
-tracebacks. SIGTERM, SIGUSR1 or a first SIGINT stops every rank after the current step (engine/train/signals.py);
+tracebacks. A crash (SIGSEGV, SIGABRT from glibc's heap checks, SIGBUS, SIGFPE, SIGILL) prints every
+thread's Python stack to stderr (faulthandler), which the launcher names in its verdict. SIGTERM, SIGUSR1 or a first SIGINT stops every rank after the current step (engine/train/signals.py);
 with checkpointing on, the state is saved first, and the process exits 0 with one line saying so.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import sys
@@ -40,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     """Parse the config, build the trainer, train; returns the process exit status."""
     from engine.config import ConfigError, load_config
 
+    # Every thread's stack on a fatal signal; the signal still ends the process (exit code -SIG).
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = load_config(argv)
