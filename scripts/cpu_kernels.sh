@@ -16,7 +16,11 @@ if [ ${#tests[@]} -eq 0 ]; then
 fi
 caps=$(PYTHONPATH=. python3 -c "from engine.parity.noise import KERNEL_CAP_ENV as e; print(' '.join(f'{k}={v}' for k, v in e.items()))")
 declare -A status
+caches=$(mktemp -d)
+trap 'rm -rf "$caches"' EXIT
 for pass in default capped; do
+  # inductor's cache keys miss the kernel choice: each pass compiles into its own cache
+  export TORCHINDUCTOR_CACHE_DIR="$caches/$pass"
   echo "=== $pass kernels${caps:+ ($([ $pass = capped ] && echo "$caps" || echo "none set"))} ==="
   if [ $pass = capped ]; then
     env $caps ./scripts/test.sh -p no:cacheprovider "${tests[@]}"

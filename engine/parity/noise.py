@@ -53,11 +53,16 @@ def kernel_twin_env(environ=None) -> dict[str, str | None]:
     (``ATEN_CPU_CAPABILITY=default``: a run of scripts/cpu_kernels.sh), the default ones (None: the
     variable removed), so the twin's kernels always differ from the reference's."""
     import os
+    import tempfile
 
     environ = os.environ if environ is None else environ
-    if environ.get("ATEN_CPU_CAPABILITY") == KERNEL_CAP_ENV["ATEN_CPU_CAPABILITY"]:
-        return {name: None for name in KERNEL_CAP_ENV}
-    return dict(KERNEL_CAP_ENV)
+    capped = environ.get("ATEN_CPU_CAPABILITY") == KERNEL_CAP_ENV["ATEN_CPU_CAPABILITY"]
+    twin: dict[str, str | None] = {name: None for name in KERNEL_CAP_ENV} if capped else dict(KERNEL_CAP_ENV)
+    # inductor's cache keys miss the kernel choice: code generated for AVX-512 and reused by a capped
+    # process fails to build ("'at::vec' has not been declared"), so each choice gets its own cache
+    twin["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(),
+                                                   f"quadra-inductor-{'default' if capped else 'capped'}-kernels")
+    return twin
 
 
 def inexact_settings(cfg) -> list[str]:
