@@ -206,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     sweep = Sweep(base, a.steps, precision, folder, engage_clipping=not a.keep_max_norm,
                   say=lambda line: print(line, flush=True), replay=bool(a.replay),
                   locate_from=(start_step + 1) if a.locate else 0, noise_floor=noise_floor,
-                  device_type=device_type, local_batch_size=cfg.training.local_batch_size)
+                  device_type=device_type, local_batch_size=cfg.training.local_batch_size,
+                  pp_microbatch_size=cfg.parallelism.pp_microbatch_size,
+                  match_microbatches=noise_floor and cfg.float8.enable)
     try:
         clipping = sweep.run_reference(cfg.training.max_norm)
         print(f"reference (1 process): {sweep.reference.seconds:.0f} s; clipping "

@@ -4,6 +4,8 @@ and which settings need a floor. The floor measured on real runs is in tests/tes
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from engine.config import load_config
@@ -50,3 +52,44 @@ def test_kernel_twin_is_always_the_other_kernels():
 ])
 def test_settings_that_need_a_floor(overrides, want):
     assert inexact_settings(load_config(overrides)) == want
+
+
+def test_a_float8_layout_gets_the_reference_that_forwards_as_many_sequences(monkeypatch, tmp_path):
+    """engine/parity/sweep.py under float8: each layout is judged against one process forwarding as
+    many sequences at a time as its ranks (trained once per size, with its twins); a cp layout's
+    floor also holds the run in half-size microbatches (scales regrouped). No launch: the runs are
+    recorded, their histories made up."""
+    import engine.parity.sweep as sweep_module
+    from engine.parity.layouts import fit_batch, parse_layout
+    from engine.parity.runs import RunResult
+
+    launched = []
+
+    def fake_launch(base_argv, overrides, world_size, folder, env=None):
+        launched.append((os.path.basename(folder), overrides.get("training.local_batch_size"),
+                         overrides.get("data.sequence_order_seed"), bool(env and env.get("ATEN_CPU_CAPABILITY"))))
+        bump = 1e-3 if "regrouped" in folder else 1e-6 * len(launched)  # every run differs from the others
+        return RunResult(folder, [(10.0 + bump, 1.0), (9.0, 1.0 + bump)], 1.0)
+
+    monkeypatch.setattr(sweep_module, "launch", fake_launch)
+    sweep = sweep_module.Sweep([], 2, "float32", str(tmp_path), noise_floor=True, device_type="cpu",
+                               local_batch_size=8, pp_microbatch_size=2, match_microbatches=True, say=lambda _: None)
+    sweep.run_reference(max_norm=0.5)  # every norm clips
+    assert [name for name, *_ in launched] == ["reference", "noise_twin_0", "noise_twin_1"]
+    assert launched[1][2] == 1 and launched[2][3]  # the reordered twin, then the other kernels
+    layouts = {name: fit_batch(parse_layout(name), 8, 8) for name in ("tp2", "fsdp2", "pp2", "cp2")}
+    assert {name: sweep.forward_batch(layout) for name, layout in layouts.items()} == \
+        {"tp2": 8, "fsdp2": 4, "pp2": 2, "cp2": 8}
+    launched.clear()
+    assert sweep.reference_for(layouts["tp2"])[0] is sweep.main and not launched
+    reference, floor = sweep.reference_for(layouts["fsdp2"])
+    assert reference.microbatch == 4 and floor == reference.floor and reference.floor
+    assert [(name, mb) for name, mb, *_ in launched] == [("reference_mb4", 4), ("noise_twin_0_mb4", 4),
+                                                        ("noise_twin_1_mb4", 4)]
+    launched.clear()
+    assert sweep.reference_for(fit_batch(parse_layout("fsdp2xtp2"), 8, 8))[0] is reference and not launched
+    main, cp_floor = sweep.reference_for(layouts["cp2"])
+    assert main is sweep.main and [(name, mb) for name, mb, *_ in launched] == [("regrouped_mb4", 4)]
+    assert cp_floor[-1] > main.floor[-1]  # the regrouped run widens it
+    sweep.match_microbatches = False  # fp32 / bf16: the config's reference for every layout
+    assert sweep.reference_for(layouts["fsdp2"])[0] is sweep.main

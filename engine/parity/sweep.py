@@ -1,6 +1,15 @@
 """The parity sweep behind ``./scripts/parity.py``: the one-process reference, then every layout, each
 compared with it (engine/parity/compare.py), with clipping engaged.
 
+Noise floor (``noise_floor=True``, engine/parity/noise.py): the reference's twins are trained after it
+and every layout is judged against their measured floor. Under float8 (``match_microbatches``) the
+activations' tensorwise scales are taken over the tokens of one forward, so a layout is compared with
+a one-process reference that forwards as many sequences at a time as each of its ranks does (fsdp2 of
+a batch of 8: microbatches of 4, the same global batch), trained with its own twins when that is not
+the config's local batch; a context-parallel layout, whose ranks scale half of each sequence, also
+has that reference's run in microbatches of half the size as a twin (the same change of which tokens
+share a scale; no float order gives it).
+
 Clipping: a layout that reduces the grad norm wrongly (a missing mesh in the sum) only changes the
 trained weights when the norm is clipped. When no step of the reference clips (every grad norm under
 ``training.max_norm``) the sweep says so, with a ``max_norm`` that would clip some steps
@@ -13,6 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from dataclasses import dataclass, field
 
 from engine.parity.compare import (TOLERANCES, clipping_sides, engaging_max_norm, history_differences,
                                    parameter_differences)
@@ -21,6 +31,26 @@ from engine.parity.noise import MARGIN, REORDER, kernel_twin_env, history_floor,
 from engine.parity.runs import launch, parity_overrides
 
 PRECISIONS = {"fp32": "float32", "fp64": "float64"}
+
+
+@dataclass
+class Reference:
+    """A one-process reference and what a layout is judged by against it.
+
+    Attributes:
+        run: its RunResult; weights: its final parameters {name: tensor} or None; microbatch: the
+        sequences it forwards at a time; floor: the noise floor per step (empty: the fixed
+        tolerances); parameter_floor: its twins' final parameter difference; twins: {name: history};
+        twin_floors: {name: that twin's worst difference}.
+    """
+
+    run: object
+    weights: dict | None
+    microbatch: int
+    floor: list = field(default_factory=list)
+    parameter_floor: float = 0.0
+    twins: dict = field(default_factory=dict)
+    twin_floors: dict = field(default_factory=dict)
 
 
 def _weights(result):
@@ -42,19 +72,19 @@ class Sweep:
         say: a function printing one line of progress; env: extra environment for the ranks;
         noise_floor: judge every layout against the reference's measured noise floor
             (engine/parity/noise.py) instead of ``precision``'s fixed tolerances; device_type: "cpu"
-            adds the other-kernel twin; local_batch_size: < 2 leaves out the reordered twin.
+            adds the other-kernel twin; local_batch_size: the config's (< 2 leaves out the reordered
+            twin); pp_microbatch_size: the config's; match_microbatches: float8 (module docstring).
     """
 
     def __init__(self, base_argv: list[str], steps: int, precision: str, folder: str, *,
                  engage_clipping: bool = True, say=print, env: dict | None = None, replay: bool = False,
                  locate_from: int = 0, noise_floor: bool = False, device_type: str = "cpu",
-                 local_batch_size: int = 2):
+                 local_batch_size: int = 2, pp_microbatch_size: int = 1, match_microbatches: bool = False):
         self.base_argv, self.steps, self.precision, self.folder = list(base_argv), steps, precision, folder
         self.noise_floor, self.device_type, self.local_batch_size = noise_floor, device_type, local_batch_size
-        self.floor: list[float] = []  # F_s per step (engine/parity/noise.py); empty: fixed tolerances
-        self.parameter_floor = 0.0
-        self.twins: dict[str, list] = {}  # twin name: its history
-        self.twin_floors: dict[str, float] = {}  # twin name: its worst difference from the reference
+        self.pp_microbatch_size, self.match_microbatches = pp_microbatch_size, match_microbatches
+        self.references: dict[int, Reference] = {}  # by the sequences a reference forwards at a time
+        self._regrouped: dict[int, object] = {}  # microbatch: the run in half-size microbatches (cp twin)
         self.engage_clipping, self.say, self.env, self.replay = engage_clipping, say, env, replay
         self.extra: dict = {}  # overrides the sweep adds to every run (training.max_norm)
         # --locate: every run records its first step (``locate_from``, 1-based); the reference also
@@ -73,34 +103,80 @@ class Sweep:
         return launch(self.base_argv, overrides, layout.world_size, os.path.join(self.folder, tag),
                       env={**(self.env or {}), **(env or {})})
 
-    def measure_floor(self) -> dict:
-        """Train the reference's twins (engine/parity/noise.py) and set :attr:`floor` and
-        :attr:`parameter_floor`; returns {twin name: its worst relative difference from the reference}.
+    # the config's reference and its floor (what the report shows)
+    main = property(lambda self: self.references.get(self.local_batch_size))
+    floor = property(lambda self: self.main.floor if self.main else [])
+    parameter_floor = property(lambda self: self.main.parameter_floor if self.main else 0.0)
+    twins = property(lambda self: self.main.twins if self.main else {})
+    twin_floors = property(lambda self: self.main.twin_floors if self.main else {})
+
+    def measure_floor(self, reference: Reference, more: dict | None = None) -> None:
+        """Train ``reference``'s twins (engine/parity/noise.py; ``more``: the reference's own
+        overrides) and set its floor, parameter floor and twins.
 
         Raises:
-            RuntimeError: no twin applies (local_batch_size 1 on a GPU), or a twin's run failed.
+            RuntimeError: no twin applies (one sequence per microbatch on a GPU), or a twin's run failed.
         """
         twins = {}
-        if self.local_batch_size >= 2:
+        if reference.microbatch >= 2:
             twins["reordered sequences"] = (REORDER, None)
         if self.device_type == "cpu":
             twins["other CPU kernels"] = ({}, kernel_twin_env())
         if not twins:
             raise RuntimeError("no noise-floor twin applies: the reordered-sequence twin needs "
                                "training.local_batch_size >= 2 (the kernel twin runs on the CPU only)")
-        worst = {}
-        for index, (name, (more, env)) in enumerate(twins.items()):
-            run = self._run(parse_layout(REFERENCE), f"noise_twin_{index}", {**self._reference_more(), **more}, env)
+        for index, (name, (twin_more, env)) in enumerate(twins.items()):
+            tag = f"noise_twin_{index}" + ("" if reference is self.main else f"_mb{reference.microbatch}")
+            run = self._run(parse_layout(REFERENCE), tag, {**self._reference_more(), **(more or {}), **twin_more}, env)
             if run.error:
                 raise RuntimeError(f"the noise-floor twin ({name}) failed: {run.error}")
-            self.twins[name] = run.history
-            worst[name] = history_floor(self.reference.history, [run.history])[-1]
+            reference.twins[name] = run.history
+            reference.twin_floors[name] = history_floor(reference.run.history, [run.history])[-1]
             weights = _weights(run)
-            if weights is not None and self.reference_weights is not None:
-                self.parameter_floor = max(self.parameter_floor, parameter_differences(weights, self.reference_weights)[0])
-        self.floor = history_floor(self.reference.history, list(self.twins.values()))
-        self.twin_floors = worst
-        return worst
+            if weights is not None and reference.weights is not None:
+                reference.parameter_floor = max(reference.parameter_floor,
+                                                parameter_differences(weights, reference.weights)[0])
+        reference.floor = history_floor(reference.run.history, list(reference.twins.values()))
+
+    def forward_batch(self, layout: Layout) -> int:
+        """Sequences each rank of ``layout`` forwards at a time: its pipeline microbatch under pp, else
+        its local batch (fitted to its dp degree, engine/parity/layouts.py's fit_batch)."""
+        o = layout.overrides
+        if int(o.get("parallelism.pp", 1)) > 1:
+            return int(o.get("parallelism.pp_microbatch_size", self.pp_microbatch_size))
+        return int(o.get("training.local_batch_size", self.local_batch_size))
+
+    def reference_for(self, layout: Layout) -> tuple[Reference, list[float]]:
+        """(the one-process reference ``layout`` is judged against, its floor for this layout): the
+        config's, or under float8 the one forwarding as many sequences at a time (trained on first
+        use, with its twins), a cp layout's floor widened by the regrouped run (module docstring).
+
+        Raises:
+            RuntimeError: a reference or twin run failed.
+        """
+        microbatch = self.forward_batch(layout) if self.match_microbatches else self.local_batch_size
+        reference = self.references.get(microbatch)
+        more = {"training.local_batch_size": microbatch}
+        if reference is None:
+            self.say(f"float8: {layout.name}'s ranks forward {microbatch} sequences at a time (activation scales "
+                     f"are per forward): one process in microbatches of {microbatch} is its reference")
+            run = self._run(parse_layout(REFERENCE), f"reference_mb{microbatch}", {**self._reference_more(), **more})
+            if run.error:
+                raise RuntimeError(f"the one-process reference in microbatches of {microbatch} failed: {run.error}")
+            reference = self.references[microbatch] = Reference(run, _weights(run), microbatch)
+            if self.noise_floor:
+                self.measure_floor(reference, more)
+        floor = reference.floor
+        if floor and self.match_microbatches and int(layout.overrides.get("parallelism.cp", 1)) > 1 and microbatch >= 2:
+            half = microbatch // 2
+            if half not in self._regrouped:
+                run = self._run(parse_layout(REFERENCE), f"regrouped_mb{half}",
+                                {**self._reference_more(), "training.local_batch_size": half})
+                if run.error:
+                    raise RuntimeError(f"the one-process run in microbatches of {half} failed: {run.error}")
+                self._regrouped[half] = run
+            floor = history_floor(reference.run.history, [*reference.twins.values(), self._regrouped[half].history])
+        return reference, floor
 
     def _reference_more(self) -> dict:
         return {"checkpoint.interval": 1, "checkpoint.keep_latest_k": 0} if self.locate_from else {}
@@ -133,28 +209,32 @@ class Sweep:
                     raise RuntimeError(f"the one-process reference failed: {self.reference.error}")
                 clipped, unclipped = clipping_sides(self.reference.history, max_norm)
         self.reference_weights = _weights(self.reference)
+        self.references[self.local_batch_size] = Reference(self.reference, self.reference_weights, self.local_batch_size)
         self.clipping = {"max_norm": max_norm, "clipped_steps": clipped, "unclipped_steps": unclipped,
                          "engaged": clipped > 0, "note": note}
         if self.noise_floor:
-            self.measure_floor()
+            self.measure_floor(self.main)
         return self.clipping
 
     def compare(self, layout: Layout) -> dict:
-        """Train ``layout`` and compare it with the reference; returns its report row."""
+        """Train ``layout`` and compare it with its reference (:meth:`reference_for`); returns its
+        report row (with ``floor``, ``parameter_floor`` and ``reference_microbatch`` under a noise floor)."""
         start = time.perf_counter()
+        reference, floor = self.reference_for(layout)
         result = self._run(layout, layout.name.replace(":", "_"))
         row = {"layout": layout.name, "world_size": layout.world_size, "overrides": {**layout.overrides, **self.extra},
                "history": result.history, "seconds": round(result.seconds, 1), "error": result.error}
-        tolerances = step_tolerances(self.floor) if self.floor else None
-        diffs = history_differences(result.history, self.reference.history, self.precision, tolerances)
+        tolerances = step_tolerances(floor) if floor else None
+        diffs = history_differences(result.history, reference.run.history, self.precision, tolerances)
         row.update(diffs)
-        if self.floor:
-            row.update(floor=self.floor[-1], parameter_floor=self.parameter_floor)
+        if floor:
+            row.update(floor=floor[-1], parameter_floor=reference.parameter_floor,
+                       reference_microbatch=reference.microbatch)
         weights = _weights(result) if not result.error else None
-        if weights is not None and self.reference_weights is not None:
-            worst, name, missing = parameter_differences(weights, self.reference_weights)
+        if weights is not None and reference.weights is not None:
+            worst, name, missing = parameter_differences(weights, reference.weights)
             row.update(params=worst, params_tensor=name, params_missing=missing)
-            limit = tolerance_of(self.parameter_floor) if self.floor else TOLERANCES[self.precision][1]
+            limit = tolerance_of(reference.parameter_floor) if floor else TOLERANCES[self.precision][1]
             params_ok = not missing and worst <= limit
         else:
             row.update(params=None, params_tensor=None, params_missing=[])
@@ -228,8 +308,9 @@ def format_table(rows: list[dict], precision: str, sweep: Sweep | None = None) -
     floor, against that floor, shown in its own column) and the run's seconds."""
     first, later = TOLERANCES[precision]
     floor = sweep.floor if sweep is not None else []
+    floored = any("floor" in row for row in rows)
     head = ("layout", "procs", "loss rel diff", "grad_norm rel diff", "params rel diff",
-            *(("floor (steps / params)",) if floor else ()), "result", "time")
+            *(("floor (steps / params)",) if floored else ()), "result", "time")
     lines = [head]
     for row in rows:
         def cell(key):
@@ -239,7 +320,10 @@ def format_table(rows: list[dict], precision: str, sweep: Sweep | None = None) -
         verdict = "pass" if row["passed"] else ("FAIL: run failed" if row.get("error") else
                                                  f"FAIL (step {row['first_failing_step']})"
                                                  if row.get("first_failing_step") else "FAIL (params)")
-        floor_cell = (f"{floor[-1]:.2e} / {sweep.parameter_floor:.2e}",) if floor else ()
+        mb = row.get("reference_microbatch")
+        mb = f" (mb {mb})" if mb is not None and sweep is not None and mb != sweep.local_batch_size else ""
+        floor_cell = ((f"{row['floor']:.2e} / {row['parameter_floor']:.2e}{mb}" if "floor" in row else "n/a",)
+                      if floored else ())
         lines.append((row["layout"], str(row["world_size"]), cell("loss"), cell("grad_norm"), cell("params"),
                       *floor_cell, verdict, f"{row['seconds']:.0f} s"))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
@@ -250,7 +334,10 @@ def format_table(rows: list[dict], precision: str, sweep: Sweep | None = None) -
         text.append(f"tolerance (noise floor, engine/parity/noise.py): {MARGIN:g} x max(floor, 2^-23), the floor "
                     f"being the largest relative difference of the reference's twins ({', '.join(sweep.twins)}) "
                     f"up to each step ({steps}) and of their final parameters ({sweep.parameter_floor:.1e}; "
-                    f"max|a-b| / max|b| per tensor)")
+                    f"max|a-b| / max|b| per tensor)" + (
+                        "; (mb N): judged against one process forwarding N sequences at a time, as each of "
+                        "the layout's ranks does (float8 scales activations per forward), with its own twins"
+                        if sweep.match_microbatches else ""))
     else:
         text.append(f"tolerance ({precision}): relative {first:g} at step 1, {later:g} at later steps and for "
                     f"the final parameters (max|a-b| / max|b| per tensor)")

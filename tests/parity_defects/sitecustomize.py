@@ -16,7 +16,10 @@ named module after the model is parallelized, from training step ``step`` on (de
 - ``ep_drop:<module>``: under expert parallel, on ep rank 1, the output rows of its first local
   expert are zeroed before they are sent back (that expert's output is dropped);
 - ``dp_grad_scale:<parameter>``: under data parallel without ep, on dp rank 1, the parameter's
-  local gradient is doubled after backward (a wrong gradient reduction: the forward is untouched).
+  local gradient is doubled after backward (a wrong gradient reduction: the forward is untouched);
+- ``float8_local_amax:*``: under FSDP with float8 all-gather, each rank scales its float8 weight
+  shards by its own shard's amax (torchao's amax all-reduce off, no precomputed scales) instead of
+  the whole weight's (from step 1; the target is not read).
 
 Without the variable, or outside torchrun's ranks (no ``RANK``), nothing is imported or changed.
 """
@@ -143,6 +146,19 @@ def _install() -> None:
         return train_step(self)
 
     trainer.Trainer.train_step = counting_train_step
+    if any(kind == "float8_local_amax" for kind, _, _ in _parse()):
+        _local_float8_amax()
+
+
+def _local_float8_amax() -> None:
+    """The ``float8_local_amax`` defect (as tests/test_float8.py's local-shard run)."""
+    import torchao.float8.float8_utils as utils
+
+    import engine.train.runner as runner
+
+    amax = utils.tensor_to_amax
+    utils.tensor_to_amax = lambda x, reduce_amax=False, *a, **k: amax(x, False, *a, **k)
+    runner.precompute_float8_scales = lambda parts: None
 
 
 if _DEFECTS and "RANK" in os.environ:
