@@ -151,9 +151,9 @@ class MetricsLogger:
     Steps trained again: when the first record this logger writes is for step N, the records of
     steps N and later that an earlier launch of the folder left (it stopped after its last
     checkpoint, or the folder held another run) are dropped from metrics.jsonl, with a warning, and
-    purged from TensorBoard (``SummaryWriter(purge_step=N)``, torch.utils.tensorboard docs): each
-    step appears once. A launch that logs nothing changes nothing. Each launch's records start with
-    a ``"run"`` record of :attr:`run_info` (the config fingerprint, engine/config/fingerprint.py).
+    purged from TensorBoard (``SummaryWriter(purge_step=N)``, torch.utils.tensorboard docs) and W&B (the run
+    rewound to step N - 1, engine/observe/sinks.py): each step appears once. A launch that logs nothing changes
+    nothing. Each launch's records start with a ``"run"`` record of :attr:`run_info` (the config fingerprint).
 
     Raises:
         ValueError: ``metrics.log_freq`` <= 0, ``devices_per_dp_rank`` < 1,
@@ -320,7 +320,8 @@ class MetricsLogger:
             self._tb = SummaryWriter(log_dir=os.path.join(self._run_folder, self.cfg.save_tb_folder),
                                      purge_step=step)
         if getattr(self.cfg, "enable_wandb", False):
-            self._wandb = WandbSink(self.cfg, self._run_folder, self.wandb_run_id, dict(self.run_info))
+            self._wandb = WandbSink(self.cfg, self._run_folder, self.wandb_run_id, dict(self.run_info),
+                                    rewind_to=step - 1 if dropped else None)  # W&B's records go too
 
     def _write(self, kind: str, record: dict[str, Any]) -> None:
         """Append one JSON line (flushed) and the numeric values as TensorBoard scalars."""

@@ -1,19 +1,31 @@
 """Where metrics records go besides the console: the upkeep of metrics.jsonl, and Weights & Biases.
 
-W&B (https://docs.wandb.ai/ref/python/init): rank 0 opens one run per launch with the run id the
-checkpoint carries (``resume="allow"``: a resumed launch continues the same run; under
-``WANDB_MODE=offline`` each launch writes an ``offline-run-*-<id>`` folder of that run, which
-``wandb sync`` uploads into it). Every record metrics.jsonl gets is logged under the keys TensorBoard
-uses, ``<kind>/<key>`` (``train/loss``, ``validation/loss``, ``eval/<task>/acc``), at its step; a
-record of an earlier step than W&B's current one (an attempt's summary, a step trained again after a
-restart) goes to the run's summary instead, since W&B steps only increase.
+W&B (https://docs.wandb.ai/ref/python/init): a job is one W&B run, across restarts, resumes and
+layout changes. Its id (:func:`job_run_id`) is the one in the checkpoint being resumed, else the one in
+``<run folder>/wandb_run_id`` (written by rank 0 when the job's first attempt starts, before any save),
+else a fresh one. Rank 0 opens the run once per attempt (``resume="allow"``; under
+``WANDB_MODE=offline`` each attempt writes an ``offline-run-*-<id>`` folder of that run, which
+``wandb sync`` uploads into it). An attempt that trains again steps an earlier one logged (it resumed
+from an older checkpoint, or from none) rewinds the run to the step before its first record
+(``resume_from="<id>?_step=N"``, W&B's run rewind): W&B drops the run's history after step N and the
+attempt's records replace those steps, as in metrics.jsonl. Every record metrics.jsonl gets is logged
+under the keys TensorBoard uses, ``<kind>/<key>`` (``train/loss``, ``validation/loss``,
+``eval/<task>/acc``), at its step; a record of an earlier step than W&B's current one (an attempt's
+summary) goes to the run's summary instead, since W&B steps only increase.
 """
 
 from __future__ import annotations
 
+import glob
 import json
+import logging
 import os
 from typing import Any
+
+logger = logging.getLogger("quadra")
+
+# <run folder>/wandb_run_id: the job's W&B run id, for its later attempts and launches (job_run_id).
+RUN_ID_FILE = "wandb_run_id"
 
 
 def drop_records_from(path: str, step: int) -> list[int]:
@@ -54,18 +66,48 @@ def new_run_id() -> str:
     return generate_id()
 
 
-def agreed_run_id(run_id: str | None, distributed: bool) -> str:
-    """The run id every rank saves in checkpoints: ``run_id`` (from a checkpoint, the same on every
-    rank) or rank 0's fresh one, broadcast (``torch.distributed.broadcast_object_list``)."""
-    if run_id:
-        return run_id
-    if not distributed:
-        return new_run_id()
-    import torch.distributed as dist
+def job_run_id(checkpoint_id: str | None, run_folder: str, dist_info) -> str:
+    """The job's W&B run id, the same on every rank and in every attempt and launch of ``run_folder``.
 
-    box = [new_run_id() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    Precedence: ``checkpoint_id`` (the id in the checkpoint being resumed, the same on every rank),
+    else the id in ``<run folder>/wandb_run_id`` (an earlier attempt or launch wrote it: a restart
+    before the first save continues its run), else a fresh one. Rank 0 chooses, broadcasts its choice
+    when no checkpoint gave one (``torch.distributed.broadcast_object_list``: the ranks need not
+    share the file system), and writes the file atomically when it does not hold that id.
+
+    Args:
+        checkpoint_id: the checkpoint's id (None: no checkpoint, or one saved with W&B off);
+        run_folder: ``job.dump_folder``; dist_info: the process's ``DistInfo`` (``rank``, ``is_distributed``).
+    """
+    path = os.path.join(run_folder, RUN_ID_FILE)
+    if checkpoint_id:
+        run_id = checkpoint_id
+    elif not dist_info.is_distributed:
+        run_id = read_run_id(path) or new_run_id()
+    else:
+        import torch.distributed as dist
+
+        box = [(read_run_id(path) or new_run_id()) if dist_info.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        run_id = box[0]
+    if dist_info.rank == 0 and read_run_id(path) != run_id:
+        os.makedirs(run_folder, exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as file:
+            file.write(run_id + "\n")
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
+    return run_id
+
+
+def read_run_id(path: str) -> str | None:
+    """The run id in the file ``path`` (:data:`RUN_ID_FILE`), or None when it is missing or empty."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            return file.read().strip() or None
+    except FileNotFoundError:
+        return None
 
 
 # W&B modes that open no connection, so need no credentials (wandb's Settings: ``_offline``, ``_noop``).
@@ -132,15 +174,32 @@ class WandbSink:
     Args:
         cfg: the ``[metrics]`` section (``wandb_project``, ``wandb_entity``, ``wandb_run_name``,
             ``wandb_tags``); run_folder: the run folder (W&B writes its ``wandb/`` folder there);
-        run_id: the run's id (:func:`agreed_run_id`); config: the run's description for W&B's config.
+        run_id: the job's run id (:func:`job_run_id`); config: the run's description for W&B's config;
+        rewind_to: the last step an earlier attempt logged that this one does not train again, when it
+            trains again steps that one logged (None: it does not): the run is rewound to it
+            (``resume_from``) if W&B wrote a segment of this run into ``run_folder`` before. Where
+            the server refuses the rewind (an online run; the feature is a preview W&B enables per
+            account), a warning says so and the run continues without it.
     """
 
-    def __init__(self, cfg, run_folder: str, run_id: str, config: dict[str, Any]):
+    def __init__(self, cfg, run_folder: str, run_id: str, config: dict[str, Any], rewind_to: int | None = None):
         import wandb
 
-        self.run = wandb.init(project=cfg.wandb_project, entity=cfg.wandb_entity or None,
-                              name=cfg.wandb_run_name or os.path.basename(os.path.abspath(run_folder)),
-                              tags=list(cfg.wandb_tags), id=run_id, resume="allow", dir=run_folder, config=config)
+        settings = dict(project=cfg.wandb_project, entity=cfg.wandb_entity or None, id=run_id, dir=run_folder,
+                        name=cfg.wandb_run_name or os.path.basename(os.path.abspath(run_folder)),
+                        tags=list(cfg.wandb_tags), config=config)
+        self.run = None
+        if rewind_to is not None and glob.glob(os.path.join(run_folder, "wandb", f"*run-*-{glob.escape(run_id)}*")):
+            try:
+                self.run = wandb.init(resume_from=f"{run_id}?_step={rewind_to}", **settings)
+                logger.info("W&B run %s rewound to step %d: this attempt's records of later steps replace the "
+                            "earlier ones", run_id, rewind_to)
+            except wandb.errors.Error as error:
+                logger.warning("W&B refused to rewind run %s to step %d (%s): it continues without, and keeps "
+                               "its first record of each step trained again", run_id, rewind_to,
+                               " ".join(str(error).split()))
+        if self.run is None:
+            self.run = wandb.init(resume="allow", **settings)
         self.step = -1
 
     def log(self, kind: str, record: dict[str, Any]) -> None:
@@ -157,4 +216,5 @@ class WandbSink:
         self.run.log(values, step=step)
 
     def close(self) -> None:
+        """Finish the run (offline: close its folder's ``.wandb`` file)."""
         self.run.finish()

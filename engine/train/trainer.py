@@ -32,7 +32,7 @@ from engine.train.evaluation import evaluate_when_due, validation_loss
 from engine.train.loss import IGNORE_INDEX, ZLoss
 from engine.train.lr_scheduler import build_lr_scheduler
 from engine.observe.metrics import MetricsLogger
-from engine.observe.sinks import agreed_run_id
+from engine.observe.sinks import job_run_id
 from engine.setup.model_builder import build_context_parallel, build_model_parts
 from engine.train.optimizer import build_optimizer
 from engine.setup.preflight import check_rank_setup
@@ -127,8 +127,8 @@ class Trainer:
         self.stop_saved = False
         self.checkpointer = self._build_checkpointer()
         self.checkpointer.load()  # continue where an earlier run of this folder stopped, if it saved
-        if cfg.metrics.enable_wandb:  # a resume continues the checkpoint's W&B run
-            self.metrics.wandb_run_id = agreed_run_id(self.metrics.wandb_run_id, self.dist.is_distributed)
+        if cfg.metrics.enable_wandb:  # one W&B run per job: the checkpoint's id, else the run folder's
+            self.metrics.wandb_run_id = job_run_id(self.metrics.wandb_run_id, self.run_folder, self.dist)
         if self.ft is not None:
             self.ft.resume_at(self.step)
         self.recovery = RunRecovery(cfg, self)  # says why this attempt runs and from where; the ledger
@@ -389,13 +389,13 @@ class Trainer:
         evaluate_when_due(self, last)  # validation and the [eval] tasks (engine/train/evaluation.py)
 
     def close(self, wait: bool = True) -> None:
-        """Stop the data read-ahead thread, finish a checkpoint in flight (``wait``: skipped after a failure,
-        since it may need other ranks), restore signal handlers, close the metrics files."""
+        """Stop the data read-ahead thread, finish a checkpoint in flight (``wait``: skipped after a failure, since
+        it may need other ranks), close the metrics files, restore signal handlers (last: a SIGTERM cannot cut W&B)."""
         self.dataloader.close()
         if wait:
             self.checkpointer.close()
-        self.stop_request.restore()
         self.profiler.close()
         self.metrics.close()
+        self.stop_request.restore()
         if self.cfg.training.mixed_precision_param == "float64":
             torch.set_default_dtype(torch.float32)
