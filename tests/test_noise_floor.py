@@ -41,6 +41,9 @@ def test_kernel_twin_is_always_the_other_kernels():
     assert {k: v for k, v in uncapped.items() if k in KERNEL_CAP_ENV} == {name: None for name in KERNEL_CAP_ENV}
     # each kernel choice compiles into its own inductor cache (its keys miss the choice)
     assert capped["TORCHINDUCTOR_CACHE_DIR"] != uncapped["TORCHINDUCTOR_CACHE_DIR"]
+    import tempfile  # not the run's working folder: a temporary one
+
+    assert all(os.path.dirname(env["TORCHINDUCTOR_CACHE_DIR"]) == tempfile.gettempdir() for env in (capped, uncapped))
 
 
 @pytest.mark.parametrize("overrides, want", [

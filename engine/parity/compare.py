@@ -65,7 +65,7 @@ def tensor_difference(a, b) -> tuple[float, float]:
     """(max |a - b|, max |a - b| / max |b|) of two tensors of one shape (relative: 0 when both are
     zero, inf when only ``a`` is not)."""
     diff = float((a - b).abs().max()) if b.numel() else 0.0
-    scale = float(b.abs().max()) if b.numel() else 0.0
+    scale = float(b.abs().max()) if b.numel() else 0.0  # empty: diff is 0, so any scale gives 0 (equivalent mutants)
     return diff, (diff / scale if scale else (0.0 if diff == 0 else math.inf))
 
 

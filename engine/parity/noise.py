@@ -59,7 +59,9 @@ def kernel_twin_env(environ=None) -> dict[str, str | None]:
     capped = environ.get("ATEN_CPU_CAPABILITY") == KERNEL_CAP_ENV["ATEN_CPU_CAPABILITY"]
     twin: dict[str, str | None] = {name: None for name in KERNEL_CAP_ENV} if capped else dict(KERNEL_CAP_ENV)
     # inductor's cache keys miss the kernel choice: code generated for AVX-512 and reused by a capped
-    # process fails to build ("'at::vec' has not been declared"), so each choice gets its own cache
+    # process fails to build ("'at::vec' has not been declared"), so each choice gets its own cache (a
+    # temporary folder; its name only has to differ between the choices: scripts/mutation.sh's
+    # mutants of its spelling are equivalent)
     twin["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(),
                                                    f"quadra-inductor-{'default' if capped else 'capped'}-kernels")
     return twin
