@@ -1,5 +1,6 @@
 """The torch-free decisions of a run that keeps itself alive, without launching: which failure a
-restart may cure, who a Flight Recorder record says never entered the collective, the goodput
+restart may cure, who a Flight Recorder record says never entered the collective, the line for a rank
+that wrote no record (stopped or frozen) and the agent's handling of a stopped one, the goodput
 arithmetic, and the refusal of an elastic range with every degree fixed (tests/test_recovery.py
 launches the real faults)."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import pytest
 
@@ -150,3 +152,78 @@ def test_a_fired_watchdog_ends_its_rank_only_once_every_rank_wrote_its_record(tm
         f.write("rank 0: no progress")
     assert ended.wait(5), "it did not end its rank once every record was there"
     watchdog.close()
+
+
+def _record(folder, rank: int, step: int, waits_in: tuple[str, int, str] | None) -> None:
+    """A rank's own hang record: its stack file and a Flight Recorder dump whose newest entry is ``waits_in``."""
+    (folder / f"rank-{rank}.txt").write_text(f"rank {rank}: no progress for 10.2 s in step {step} "
+                                             "(comm.hang_timeout_seconds = 10); stacks of every thread:\n")
+    if waits_in is not None:
+        _fr(folder, rank, [(waits_in[0], waits_in[1] - 1, waits_in[2]), waits_in])
+
+
+def test_a_rank_that_wrote_no_record_is_named_with_the_collective_the_others_wait_in(tmp_path):
+    """Issue #48 item 3: rank 1 SIGSTOPped wrote nothing; rank 0 waits in the all-gather of step 5. The
+    line names rank 1 as stopped (from the agent's mark or its /proc state) and what it never reached;
+    a silent rank that is not stopped is called frozen; 4 ranks waiting in two collectives name both."""
+    from engine.launch.frozen import hang_verdict
+
+    _record(tmp_path, 0, 5, ("0:default_pg", 12, "gloo:all_gather_into_tensor_coalesced"))
+    where = f"the stacks of rank 0 are in {tmp_path}"
+    stopped = ("quadra: hang: rank 1 made no progress for 30 s (comm.hang_timeout_seconds) and wrote no record: "
+               "rank 1 was stopped (SIGSTOP: state T in /proc/<pid>/stat), so it never reached "
+               "gloo:all_gather_into_tensor_coalesced #12 of process group default_pg, which rank 0 waits in at "
+               f"step 5; {where}")
+    assert hang_verdict(str(tmp_path), 2, 30, {0: "S", 1: "T"}) == stopped
+    (tmp_path / "rank-1.frozen").write_text(json.dumps({"rank": 1, "pid": 4242, "state": "T"}))
+    assert hang_verdict(str(tmp_path), 2, 30) == stopped  # the mark alone (another node's agent wrote it)
+    (tmp_path / "rank-1.frozen").unlink()
+    assert hang_verdict(str(tmp_path), 2, 30, {1: "R"}) == stopped.replace(
+        "rank 1 was stopped (SIGSTOP: state T in /proc/<pid>/stat)",
+        "rank 1 was frozen (no record from its watchdog thread)")
+
+    # tp2 x fsdp2: rank 1 stopped; rank 0 waits in its tp all-reduce, ranks 2, 3 in the dp all-gather.
+    _record(tmp_path, 0, 4, ("2:tp", 7, "gloo:all_reduce"))
+    for rank in (2, 3):
+        _record(tmp_path, rank, 4, ("1:dp_shard", 20, "gloo:_allgather_base"))
+    assert hang_verdict(str(tmp_path), 4, 30, {1: "T"}) == (
+        "quadra: hang: rank 1 made no progress for 30 s (comm.hang_timeout_seconds) and wrote no record: rank 1 was "
+        "stopped (SIGSTOP: state T in /proc/<pid>/stat), so it never reached gloo:all_reduce #7 of process group tp, "
+        "which rank 0 waits in at step 4, nor gloo:_allgather_base #20 of process group dp_shard, which rank 2,3 "
+        f"wait in at step 4; the stacks of rank 0,2,3 are in {tmp_path}")
+
+
+def test_the_agent_marks_a_stopped_rank_once_a_hang_record_is_there_and_kills_it(tmp_path):
+    """A stopped process (SIGSTOP) is marked ``rank-R.frozen`` (which the waiting ranks count as its
+    record) only once another rank's record shows a hang, and is SIGKILLed (it dies without being
+    continued) once every rank has a record; a running rank with a record of its own is left alone."""
+    import subprocess
+    import sys
+
+    from engine.launch.frozen import kill_silent, mark_stopped, proc_state, settle_hang
+    from engine.observe.hang import recorded_ranks
+
+    sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    try:
+        sleepers[1].send_signal(signal.SIGSTOP)
+        pids = {rank: proc.pid for rank, proc in enumerate(sleepers)}
+        for _ in range(50):
+            if proc_state(pids[1]) == "T":
+                break
+            time.sleep(0.05)
+        assert proc_state(pids[1]) == "T" and proc_state(pids[0]) in ("S", "R")
+        assert settle_hang(str(tmp_path), pids, 3) == {}  # no record yet: no hang
+        _record(tmp_path, 0, 5, None)
+        # Rank 2 (another node's) has no record yet: mark rank 1, do not kill it while rank 2 may still write.
+        assert mark_stopped(str(tmp_path), pids) == {1: "T"} and recorded_ranks(str(tmp_path)) == {0, 1}
+        assert proc_state(pids[1]) == "T"
+        (tmp_path / "rank-2.txt").write_text("rank 2: no progress for 10.1 s in step 5\n")
+        started = time.monotonic()
+        assert settle_hang(str(tmp_path), pids, 3) == {1: "T"}  # every record there: killed
+        assert sleepers[1].wait(5) == -signal.SIGKILL and time.monotonic() - started < 5
+        assert sleepers[0].poll() is None  # it wrote its record: torchrun stops it as usual
+        assert kill_silent(str(tmp_path), pids) == {}
+    finally:
+        for proc in sleepers:
+            proc.kill()
+            proc.wait()

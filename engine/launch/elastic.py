@@ -23,7 +23,10 @@ point torchelastic documents: "Customization", docs.pytorch.org/docs/stable/elas
 - **hangs are named.** A rank whose watchdog fired (engine/observe/hang.py) exits with
   :data:`HANG_EXIT` after writing its stack and torch's Flight Recorder record to
   ``<run folder>/hangs/attempt-K/``; the agent waits for every rank's record and names the ranks that
-  never entered the collective the others waited in (:func:`hang_line`).
+  never entered the collective the others waited in. A rank that cannot write one (stopped: SIGSTOP, a
+  debugger) is marked by the agent as soon as another rank's record is there, so nobody waits for it,
+  and SIGKILLed then (torchrun's SIGTERM would wait 30 s on it); a rank frozen otherwise, once the
+  others stop waiting; both are named in the line (engine/launch/frozen.py).
 
 torchrun builds its agent inside ``torch.distributed.launcher.api.launch_agent``; :func:`run_elastic`
 lets that function build a :class:`QuadraAgent` instead, and keeps everything else of torchrun
@@ -44,30 +47,8 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
 from engine.launch.failures import crash_report, crash_summary, failure_cause, incurable, read_reasons
-from engine.observe.hang import HANG_EXIT, await_records, hang_folder, missing_ranks
-
-HANG_WAIT_S = 60.0  # how long the agent waits for every rank's hang record once one rank reported (it ends
-# as soon as all are there; a loaded machine has taken over 15 s to write them)
-
-
-def hang_line(run_folder: str, attempt: int, world_size: int, timeout_s: float) -> str:
-    """The one line of a hang: who waited, in which collective, who never came, where the stacks are.
-
-    Waits up to :data:`HANG_WAIT_S` for the records of all ``world_size`` ranks (their watchdogs
-    fire within a poll interval of each other)."""
-    folder = hang_folder(run_folder, attempt)
-    await_records(folder, world_size, HANG_WAIT_S)
-    verdict = missing_ranks(folder)
-    where = f"every rank's stack is in {folder}"
-    if verdict is None:
-        return f"quadra: hang: no rank progressed for {timeout_s:g} s (comm.hang_timeout_seconds); {where}"
-    waiting, collective, missing = verdict
-    return (f"quadra: hang: rank {_ranks(waiting)} waited over {timeout_s:g} s (comm.hang_timeout_seconds) in "
-            f"{collective}, which rank {_ranks(missing)} never entered; {where}")
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ",".join(map(str, ranks))
+from engine.launch.frozen import await_hang_records, hang_verdict, kill_silent, proc_state, settle_hang
+from engine.observe.hang import HANG_EXIT, hang_folder
 
 
 class Recovery:
@@ -83,24 +64,41 @@ class Recovery:
         self.last_cause: str | None = None
         self.hang: str | None = None
         self.stderr_files: dict[int, str] = {}
+        self.silent: dict[int, str] = {}  # {global rank: /proc state} of this node's ranks found stopped or
+        # SIGKILLed without a record of their own, in the current attempt
+
+    def watch(self, attempt: int, pids: dict[int, int], world_size: int) -> None:
+        """While attempt ``attempt`` runs (every monitor interval; ``pids``: {global rank: pid} of this
+        node's ranks): once a hang record is there, mark the stopped ranks so that no rank waits for
+        theirs, and SIGKILL them (:func:`~engine.launch.frozen.settle_hang`) before the ranks that wrote
+        end theirs: torchrun would SIGTERM a stopped rank and wait 30 s for it."""
+        self.silent.update(settle_hang(hang_folder(self.run_folder, attempt), pids, world_size))
 
     def attempt_started(self, attempt: int) -> None:
         """Before attempt ``attempt``'s ranks start: forget the reasons of the attempt before (its
         ranks are all stopped now) and record the start time for the goodput ledger."""
         for path in glob.glob(os.path.join(self.error_dir, "rank*.err")):
             os.remove(path)
+        self.silent = {}
         _write_json(os.path.join(self.error_dir, f"attempt-{attempt}.start.json"),
                     {"attempt": attempt, "started_at": time.time()})
 
-    def failed(self, attempt: int, failures: dict, world_size: int, restarts_left: int) -> bool:
-        """Attempt ``attempt`` failed (``failures``: {global rank: torchelastic ProcessFailure});
-        -> whether a restart may cure it. Writes ``restart-<attempt + 1>.json`` when one follows."""
+    def failed(self, attempt: int, failures: dict, world_size: int, restarts_left: int,
+               pids: dict[int, int] | None = None) -> bool:
+        """Attempt ``attempt`` failed (``failures``: {global rank: torchelastic ProcessFailure}; ``pids``:
+        {global rank: pid} of this node's ranks); -> whether a restart may cure it. Writes
+        ``restart-<attempt + 1>.json`` when one follows. A hang: its line, then this node's ranks that
+        wrote no record are SIGKILLed."""
         failed_at = time.time()
         codes = {rank: failure.exitcode for rank, failure in failures.items()}
         messages = read_reasons(self.error_dir)
         self.hang = None
-        if HANG_EXIT in codes.values():
-            self.hang = hang_line(self.run_folder, attempt, world_size, self.hang_timeout_s)
+        if HANG_EXIT in codes.values() or self.silent:
+            folder = hang_folder(self.run_folder, attempt)
+            await_hang_records(folder, world_size)
+            states = {rank: state for rank, pid in (pids or {}).items() if (state := proc_state(pid))}
+            self.hang = hang_verdict(folder, world_size, self.hang_timeout_s, {**states, **self.silent})
+            self.silent.update(kill_silent(folder, pids or {}))
             self.last_cause = "a " + self.hang.removeprefix("quadra: ")
         else:
             crashes = {rank: crash_summary(crash_report(self.stderr_files.get(rank)))
@@ -168,10 +166,13 @@ class QuadraAgent(LocalElasticAgent):
             self._stderr_tail = None
 
     def _monitor_workers(self, worker_group):
+        pids = {w.global_rank: w.id for w in worker_group.workers if isinstance(w.id, int)}
+        self.recovery.watch(self._attempt(), pids, worker_group.workers[0].world_size if pids else 0)
         result = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             world_size = worker_group.workers[0].world_size if worker_group.workers else 0
-            if not self.recovery.failed(self._attempt(), result.failures, world_size, self._remaining_restarts):
+            if not self.recovery.failed(self._attempt(), result.failures, world_size, self._remaining_restarts,
+                                        pids):
                 self._remaining_restarts = 0  # torchrun's loop then stops the group and reports the failure
         return result
 

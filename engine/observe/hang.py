@@ -21,7 +21,9 @@ records with :func:`missing_ranks`: per process group, the ranks whose newest co
 number is below the others' never entered the collective the others wait in.
 
 :func:`test_hook` holds the test suite's real faults (``QUADRA_TEST_FAULT``): a rank that sleeps instead
-of entering the step's first collective, a rank or a node killed at a given step.
+of entering the step's first collective, a rank stopped (SIGSTOP: it writes no record; the launcher's
+agent marks it ``rank-R.frozen``, which :func:`recorded_ranks` counts, engine/launch/frozen.py), a rank
+or a node killed at a given step.
 """
 
 from __future__ import annotations
@@ -125,11 +127,23 @@ def _flight_recorder() -> str | None:
         return None
 
 
+def recorded_ranks(folder: str) -> set[int]:
+    """Ranks with a complete record in ``folder``: their own (``rank-R.txt``, written last) or the mark
+    ``rank-R.frozen`` the launcher's agent writes for a rank that is stopped and cannot write one
+    (engine/launch/frozen.py)."""
+    ranks = set()
+    for path in glob.glob(os.path.join(folder, "rank-*.txt")) + glob.glob(os.path.join(folder, "rank-*.frozen")):
+        name = os.path.basename(path)[5:].partition(".")[0]
+        if name.isdigit():
+            ranks.add(int(name))
+    return ranks
+
+
 def await_records(folder: str, world_size: int, timeout_s: float) -> None:
-    """Wait until ``folder`` holds the complete records (``rank-R.txt``, written last) of
-    ``world_size`` ranks, at most ``timeout_s`` seconds."""
+    """Wait until ``folder`` holds the records (:func:`recorded_ranks`) of ``world_size`` ranks, at
+    most ``timeout_s`` seconds."""
     deadline = time.monotonic() + timeout_s
-    while len(glob.glob(os.path.join(folder, "rank-*.txt"))) < world_size and time.monotonic() < deadline:
+    while len(recorded_ranks(folder)) < world_size and time.monotonic() < deadline:
         time.sleep(0.1)
 
 
@@ -177,7 +191,8 @@ def test_hook(step: int, rank: int, wait_for_every_group=None) -> None:
     ``any``: every rank of this node; ATTEMPT: the launch attempt it fires in, default 0, so one run
     can meet a second fault after its first restart; GROUP: only in that torchft replica group,
     ``QUADRA_REPLICA_ID``): ``hang``
-    sleeps, ``kill`` SIGKILLs the rank, ``kill_node`` SIGKILLs the rank's launcher (the node is gone for
+    sleeps (its watchdog thread runs), ``stop`` sends the rank SIGSTOP (nothing of it runs: no record),
+    ``kill`` SIGKILLs the rank, ``kill_node`` SIGKILLs the rank's launcher (the node is gone for
     good; its ranks follow it), ``rejoin`` calls ``wait_for_every_group`` (a torchft group's next
     quorum waits for every group: a restarted one rejoins at this step, however long its restart
     takes), ``abort`` calls ``os.abort()`` (SIGABRT), ``segv`` reads address 0 (SIGSEGV), ``double_free``
@@ -196,6 +211,8 @@ def test_hook(step: int, rank: int, wait_for_every_group=None) -> None:
             wait_for_every_group()
         elif int(fault_step) == step and kind == "hang":
             time.sleep(24 * 3600)
+        elif int(fault_step) == step and kind == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops, the watchdog's too
         elif int(fault_step) == step and kind in ("kill", "kill_node"):
             os.kill(os.getppid() if kind == "kill_node" else os.getpid(), signal.SIGKILL)
             time.sleep(60)  # the signal ends this process (kill_node: through die_with_parent)
