@@ -164,7 +164,7 @@ ENGINE_LAYERS: dict[str, set[str]] = {
     "observe": set(),
     "config": {"data"},
     "checkpoint": {"config"},
-    "setup": {"checkpoint", "config", "data"},
+    "setup": {"checkpoint", "config", "data", "observe"},
     "train": {"checkpoint", "config", "data", "observe", "setup"},
     "convert": {"checkpoint", "config", "data", "setup"},
     "planner": {"config", "observe", "setup"},

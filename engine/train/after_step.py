@@ -1,11 +1,35 @@
-"""The one line that ends a run when something after a trained step fails (engine/train/trainer.py:
-the profiler's trace, metrics, validation or the checkpoint save): what failed, what is safe, the fix."""
+"""After a trained step (engine/train/trainer.py): its metrics record and log line, and the one line
+that ends a run when something after the step fails (the profiler's trace, metrics, validation or
+the checkpoint save): what failed, what is safe, the fix."""
 
 from __future__ import annotations
 
 import re
 
 from engine.checkpoint import files as checkpoint_files
+from engine.observe.attribution import step_attribution
+
+# What the step's log line shows of its record, in this order, where present (engine/observe/metrics.py).
+LOGGED_KEYS = ("loss", "z_loss", "grad_norm", "lr", "epoch", "pp_bubble_fraction", "replicas")
+
+
+def log_step(metrics, step: int, record: dict, dataloader) -> None:
+    """Hand a trained step to ``metrics`` (a MetricsLogger): its tokens and seconds every step; on a
+    logged step (``metrics.log_freq``) also its line and records, i.e. :data:`LOGGED_KEYS` and the
+    model's metrics, plus, in the files only, the step time's attribution (seconds per part,
+    engine/observe/attribution.py) and ``dataloader.log_metrics()`` (tokens per data source).
+
+    Args:
+        record: the trainer's step record (``tokens``, ``step_seconds``, ``data_seconds``,
+            ``model_metrics``, optional ``phases``, which is removed, and the keys above).
+    """
+    metrics.record_step(tokens=record["tokens"], step_seconds=record["step_seconds"],
+                        data_seconds=record["data_seconds"])
+    if metrics.should_log(step):
+        logged = {key: record[key] for key in LOGGED_KEYS if record.get(key) is not None}
+        phases = record.pop("phases", None)
+        times = step_attribution(step_s=record["step_seconds"], **phases) if phases else {}
+        metrics.log(step, {**logged, **record["model_metrics"]}, files_only={**times, **dataloader.log_metrics()})
 
 _FIXES = {"validation": "set validation.enable = false to train on without it",
           "downstream evaluation": "set eval.enable = false to train on without it",

@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.observe.attribution import StepTimer, step_attribution
+from engine.observe.attribution import StepTimer
 from engine.checkpoint import CheckpointManager
 from engine.config import JobConfig, config_to_toml
 from engine.config.fingerprint import run_fingerprint
@@ -39,7 +39,7 @@ from engine.setup.preflight import check_rank_setup
 from engine.observe.profiling import StepProfiler
 from engine.train.runner import PipelineRunner, SingleRunner, StepContext
 from engine.train.signals import StopRequest
-from engine.train.after_step import after_step_message
+from engine.train.after_step import after_step_message, log_step
 from engine.train.capsule import report_unhealthy
 from engine.train.fault_tolerance import ReplicaGroup, data_ranks
 from engine.train.step_health import StepHealth, advance_lr_schedule
@@ -375,15 +375,7 @@ class Trainer:
         self._after_step_phase = "profiler"
         self.profiler.write(self.step)
         self._after_step_phase = "metrics"
-        self.metrics.record_step(tokens=record["tokens"], step_seconds=record["step_seconds"],
-                                 data_seconds=record["data_seconds"])
-        if self.metrics.should_log(self.step):
-            keys = ("loss", "z_loss", "grad_norm", "lr", "epoch", "pp_bubble_fraction", "replicas")
-            logged = {key: record[key] for key in keys if record.get(key) is not None}
-            phases = record.pop("phases", None)
-            times = step_attribution(step_s=record["step_seconds"], **phases) if phases else {}
-            self.metrics.log(self.step, {**logged, **record["model_metrics"]},
-                             files_only={**times, **self.dataloader.log_metrics()})
+        log_step(self.metrics, self.step, record, self.dataloader)
         if self.cfg.training.gc_freq > 0 and self.step % self.cfg.training.gc_freq == 0:
             gc.collect(1)
         evaluate_when_due(self, last)  # validation and the [eval] tasks (engine/train/evaluation.py)
