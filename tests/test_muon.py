@@ -260,7 +260,10 @@ def test_the_readme_parameter_group_example_passes_the_preflight_as_written():
     import os
     import re
 
-    import tomllib
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
 
     from engine.config import load_config
     from engine.setup.preflight import check_setup
