@@ -21,11 +21,12 @@ from tests.training_utils import FLAVOR, REPO
 THREAD_PREFIX = "quadra-"  # every thread Quadra starts is named so (hang watchdog, read-ahead, checkpoint hashing)
 
 
-def _quadra_threads(wait_s: float) -> list[str]:
-    """Names of live Quadra threads, after up to ``wait_s`` for those told to stop (they poll)."""
+def _quadra_threads(wait_s: float, before: frozenset = frozenset()) -> list[str]:
+    """Names of live Quadra threads not in ``before`` (threads of other tests in this pytest process),
+    after up to ``wait_s`` for those told to stop (they poll)."""
     deadline = time.monotonic() + wait_s
     while True:
-        alive = sorted(t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX))
+        alive = sorted(t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX) and t not in before)
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.05)
@@ -46,10 +47,11 @@ def test_close_ends_every_thread_of_a_run_with_read_ahead_and_async_saves(tmp_pa
                        "--checkpoint.async_mode", "async", "--comm.hang_timeout_seconds", "60",
                        "--job.device", "cpu", "--job.print_config", "false"])
     cfg.validate()
+    before = frozenset(threading.enumerate())  # a test run before this one in the same process may leave its own
     trainer = Trainer(cfg)
     try:
         trainer.train()
-        assert "quadra-data-read-ahead" in _quadra_threads(0)  # the thread this test is about ran
+        assert "quadra-data-read-ahead" in _quadra_threads(0, before)  # the thread this test is about ran
     finally:
         trainer.close()
-    assert _quadra_threads(2.0) == []
+    assert _quadra_threads(2.0, before) == []
