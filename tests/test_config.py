@@ -34,7 +34,7 @@ training.mixed_precision_reduce training.gc_freq training.stop_after_step
 step_health.on_nonfinite step_health.loss_spike_sigma step_health.grad_norm_spike_sigma step_health.window
 step_health.max_consecutive_skips
 optimizer.name optimizer.lr optimizer.beta1 optimizer.beta2 optimizer.eps optimizer.weight_decay
-optimizer.implementation optimizer.muon_momentum optimizer.muon_nesterov optimizer.muon_ns_steps
+optimizer.implementation optimizer.muon_lr optimizer.muon_momentum optimizer.muon_nesterov optimizer.muon_ns_steps
 optimizer.muon_ns_coefficients optimizer.muon_adjust_lr optimizer.muon_ns_dtype optimizer.param_groups
 lr_scheduler.warmup_steps lr_scheduler.decay_type lr_scheduler.decay_ratio lr_scheduler.min_lr
 parallelism.dp_replicate parallelism.dp_shard parallelism.cp parallelism.cp_rotate_method

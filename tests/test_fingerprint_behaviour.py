@@ -75,6 +75,7 @@ SPECS: dict[str, Spec] = {
     "optimizer.beta2": Spec({"optimizer.beta2": 0.5}),
     "optimizer.eps": Spec({"optimizer.eps": 1e-6}),
     "optimizer.weight_decay": Spec({"optimizer.weight_decay": 0.0}),
+    "optimizer.muon_lr": Spec({"optimizer.muon_lr": 2 * LR}, MUON),
     "optimizer.muon_momentum": Spec({"optimizer.muon_momentum": 0.5}, MUON),
     "optimizer.muon_nesterov": Spec({"optimizer.muon_nesterov": False}, MUON),
     "optimizer.muon_ns_steps": Spec({"optimizer.muon_ns_steps": 3}, MUON),

@@ -70,7 +70,7 @@ def test_muon_step_is_torch_muon_plus_adamw_bitwise(nesterov, adjust):
     torch.manual_seed(0)
     model = _Model()
     reference = copy.deepcopy(model)
-    cfg = _cfg(muon_nesterov=nesterov, muon_adjust_lr=adjust)
+    cfg = _cfg(muon_nesterov=nesterov, muon_adjust_lr=adjust, muon_lr=0.05)  # Muon's matrices: their own lr
     optimizer = build_optimizer([model], cfg)
     assert [g["name"] for g in optimizer.param_groups] == ["muon", "decay", "no_decay"]
 
@@ -79,7 +79,7 @@ def test_muon_step_is_torch_muon_plus_adamw_bitwise(nesterov, adjust):
                for n, p in reference.named_parameters() if n.endswith("experts.w1")}
     matrices = [n for n, p in reference.named_parameters() if p.ndim == 2 and not n.endswith(("wq.weight", "wo.weight"))]
     vectors = [p for p in reference.parameters() if p.ndim == 1]
-    muon = torch.optim.Muon(hidden + [s for slices in experts.values() for s in slices], lr=cfg.lr,
+    muon = torch.optim.Muon(hidden + [s for slices in experts.values() for s in slices], lr=cfg.muon_lr,
                             weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, nesterov=nesterov,
                             adjust_lr_fn=adjust)
     adamw = torch.optim.AdamW([{"params": [reference.get_parameter(n) for n in matrices], "weight_decay": 0.1},
@@ -238,6 +238,7 @@ def test_planner_counts_muon_gathers_and_broadcasts_per_mesh_dim():
 
 
 @pytest.mark.parametrize("overrides, words", [
+    (["--optimizer.muon_lr", "0"], "optimizer.muon_lr = 0.0: must be > 0"),
     (["--optimizer.muon_momentum", "1.5"], "optimizer.muon_momentum = 1.5: must be in [0, 1)"),
     (["--optimizer.muon_ns_coefficients", "3.4,-4.7"], "optimizer.muon_ns_coefficients"),
     (["--optimizer.muon_ns_steps", "0"], "optimizer.muon_ns_steps = 0"),

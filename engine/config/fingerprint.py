@@ -38,7 +38,7 @@ _CLASSES: dict[str, dict[str, tuple[str, ...]]] = {
         "model": ("name", "flavor", "args_path", "tokenizer_path", "vocab_size", "tie_embeddings"),
         "data": ("path", "text_column", "split", "streaming", "shuffle", "mixture"),
         "training": ("steps", "global_batch_size", "seq_len", "max_norm", "seed"),
-        "optimizer": ("name", "lr", "beta1", "beta2", "eps", "weight_decay", "muon_momentum", "muon_nesterov",
+        "optimizer": ("name", "lr", "beta1", "beta2", "eps", "weight_decay", "muon_lr", "muon_momentum", "muon_nesterov",
                       "muon_ns_steps", "muon_ns_coefficients", "muon_adjust_lr", "param_groups"),
         "lr_scheduler": ("warmup_steps", "decay_type", "decay_ratio", "min_lr"),
         "checkpoint": ("initial_load_path", "initial_load_model_only", "initial_load_lr", "initial_load_data"),
@@ -101,6 +101,11 @@ NEUTRAL_WHEN = {"document_mask.enable": False, "document_mask.restart_positions"
                 "optimizer.muon_adjust_lr": "match_rms_adamw", "optimizer.param_groups": [],
                 "loss.z_loss_weight": 0.0, "loss.mtp_weight": 0.0}
 
+# Convergence keys that act only when another key has a value: otherwise they stay out of the hash.
+# optimizer.muon_lr (added with a non-neutral default, 2e-2: no value reproduces the Muon runs before
+# it, whose matrices took optimizer.lr) would else change the fingerprint of every AdamW run.
+ACTIVE_WHEN = {"optimizer.muon_lr": ("optimizer.name", "Muon")}
+
 GLOBAL_BATCH = "training.global_batch_size"
 # What sets the global batch when training.global_batch_size = -1 (local_batch_size x dp degree).
 SET_GLOBAL_BATCH = ("training.local_batch_size", "parallelism.dp_replicate", "parallelism.dp_shard",
@@ -127,10 +132,14 @@ def flatten(config: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def fingerprint(config: dict[str, dict[str, Any]]) -> str:
     """16 hex digits of the SHA-256 of the convergence keys and values of ``config`` (TOML tables,
     e.g. ``tomllib.loads(config_to_toml(cfg))``), canonical JSON with sorted keys; unknown keys
-    are ignored. A run passes its resolved ``training.global_batch_size`` (never -1), since -1
-    means local_batch_size x dp and so depends on the layout."""
-    values = {key: value for key, value in flatten(config).items() if KEY_CLASS.get(key) == CONVERGENCE
-              and not (key in NEUTRAL_WHEN and value == NEUTRAL_WHEN[key])}
+    are ignored, and so are the keys of :data:`NEUTRAL_WHEN` at their neutral value and those of
+    :data:`ACTIVE_WHEN` when the key they act under has another value. A run passes its resolved
+    ``training.global_batch_size`` (never -1), since -1 means local_batch_size x dp and so depends on
+    the layout."""
+    flat = flatten(config)
+    values = {key: value for key, value in flat.items() if KEY_CLASS.get(key) == CONVERGENCE
+              and not (key in NEUTRAL_WHEN and value == NEUTRAL_WHEN[key])
+              and not (key in ACTIVE_WHEN and flat.get(ACTIVE_WHEN[key][0]) != ACTIVE_WHEN[key][1])}
     canonical = json.dumps(values, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 

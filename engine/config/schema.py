@@ -152,7 +152,7 @@ class OptimizerSection:
 
     name: str = _opt("AdamW", "AdamW|Adam|Muon (Muon: Muon on hidden weight matrices, AdamW with the keys above "
                      "on the rest; engine/train/muon.py)", choices=("AdamW", "Adam", "Muon"))
-    lr: float = _opt(8e-4, "peak learning rate (reached at the end of warmup)")
+    lr: float = _opt(8e-4, "peak learning rate (reached at the end of warmup); with Muon, of the AdamW part")
     beta1: float = _opt(0.9, "Adam first-moment decay")
     beta2: float = _opt(0.95, "Adam second-moment decay")
     eps: float = _opt(1e-8, "Adam denominator epsilon")
@@ -162,6 +162,10 @@ class OptimizerSection:
                                choices=("auto", "fused", "foreach", "for-loop"))
     # Muon's defaults: momentum, Nesterov, steps and coefficients from Keller Jordan's Muon post (as
     # torch.optim.Muon's); the lr adjustment from Moonlight (Liu et al. 2025, Sec. 2.2).
+    # Measured on the debug model (README, Optimizers; scripts/benchmarks/muon_lr.py): Muon's matrices
+    # train best at ~25x AdamW's lr, so they get their own lr (Jordan et al. 2024 and Moonlight do too).
+    muon_lr: float = _opt(2e-2, "Muon: peak lr of the Muon-updated matrices, scaled per matrix by muon_adjust_lr "
+                          "(optimizer.lr stays the AdamW part's: embedding, head, norms)")
     muon_momentum: float = _opt(0.95, "Muon momentum (Jordan et al. 2024; Liu et al. 2025)")
     muon_nesterov: bool = _opt(True, "Muon: Nesterov momentum (Jordan et al. 2024)")
     muon_ns_steps: int = _opt(5, "Muon: Newton-Schulz iterations (Jordan et al. 2024)")

@@ -137,6 +137,7 @@ def optimizer_problems(o) -> list[tuple[bool, str, Any, str]]:
     coefficients = o.muon_ns_coefficients.split(",")
     numbers = len(coefficients) == 3 and all(re.fullmatch(r"\s*[-+]?[0-9.]+(e[-+]?[0-9]+)?\s*", c) for c in coefficients)
     return [
+        (not o.muon_lr > 0, "optimizer.muon_lr", o.muon_lr, "must be > 0, e.g. 2e-2"),
         (not 0 <= o.muon_momentum < 1, "optimizer.muon_momentum", o.muon_momentum, "must be in [0, 1), e.g. 0.95"),
         (not 1 <= o.muon_ns_steps < 100, "optimizer.muon_ns_steps", o.muon_ns_steps, "must be in [1, 100), e.g. 5"),
         (not numbers, "optimizer.muon_ns_coefficients", o.muon_ns_coefficients,

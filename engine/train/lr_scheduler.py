@@ -138,7 +138,8 @@ def build_lr_scheduler(
 
     Construction already sets the lr of step 1. The peak lr is the optimizer's current lr
     (``optimizer.lr`` as built by ``build_optimizer``); every param group must share it, over its
-    ``lr_mult`` (a rule's group peaks at ``lr_mult`` x it; ``min_lr`` scales alike).
+    ``lr_mult`` and ``lr_scale`` (a rule's group peaks at ``lr_mult`` x it, a Muon group at
+    ``lr_scale`` = optimizer.muon_lr / optimizer.lr x it; ``min_lr`` scales alike).
     The lambda is a ``functools.partial`` of a module-level function, so ``state_dict()`` holds
     only ``last_epoch`` and friends and is picklable; the schedule itself comes from the config
     on resume (changing it between runs takes effect).
@@ -157,12 +158,16 @@ def build_lr_scheduler(
     # A scheduler built before (or a loaded optimizer state) leaves the peak in "initial_lr";
     # "lr" may already be scaled by the schedule then.
     # A group of an optimizer.param_groups rule peaks at lr_mult x the run's lr (its "lr_mult").
-    peaks = [group.get("initial_lr", group["lr"]) / group.get("lr_mult", 1.0) for group in optimizer.param_groups]
+    # A Muon group peaks at optimizer.muon_lr = lr_scale x the run's lr (engine/train/optimizer.py).
+    peaks = [group.get("initial_lr", group["lr"]) / group.get("lr_mult", 1.0) / group.get("lr_scale", 1.0)
+             for group in optimizer.param_groups]
     if any(not math.isclose(peak, peaks[0], rel_tol=1e-12) for peak in peaks):
         raise ValueError(
-            f"build_lr_scheduler needs one peak lr shared by all param groups (over their lr_mult), got {sorted(peaks)}"
+            f"build_lr_scheduler needs one peak lr shared by all param groups (over their lr_mult and lr_scale), "
+            f"got {sorted(peaks)}"
         )
-    base_lrs = {peaks[0]}
+    # optimizer.lr exactly where a group has it unscaled (muon_lr / lr_scale may differ in the last bit)
+    base_lrs = {next((peak for peak, group in zip(peaks, optimizer.param_groups) if "lr_scale" not in group), peaks[0])}
     warmup = effective_warmup_steps(cfg.warmup_steps, cfg.decay_type, cfg.decay_ratio, training_steps)
     schedule = dict(
         warmup_steps=warmup, decay_type=cfg.decay_type, decay_ratio=cfg.decay_ratio,

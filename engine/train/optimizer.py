@@ -52,6 +52,8 @@ def _check_hyperparameters(cfg) -> None:
     if not cfg.weight_decay >= 0:
         raise ValueError(f"optimizer.weight_decay={cfg.weight_decay} must be >= 0")
     if cfg.name == "Muon":
+        if not cfg.muon_lr > 0:
+            raise ValueError(f"optimizer.muon_lr={cfg.muon_lr} must be > 0, e.g. 2e-2")
         if not 0.0 <= cfg.muon_momentum < 1.0:
             raise ValueError(f"optimizer.muon_momentum={cfg.muon_momentum} must be in [0, 1), e.g. 0.95")
         if not 1 <= cfg.muon_ns_steps < 100:
@@ -111,7 +113,7 @@ def build_optimizer(model_parts: list[nn.Module], cfg, *, whole_model: bool = Tr
         cfg: the ``[optimizer]`` config section; reads ``name`` (AdamW|Adam|Muon), ``lr``, ``beta1``,
             ``beta2``, ``eps``, ``weight_decay``, ``implementation`` (auto|fused|foreach|for-loop,
             see :func:`resolve_implementation`), ``param_groups`` (engine/config/param_groups.py) and,
-            for Muon, the ``muon_*`` keys.
+            for Muon, the ``muon_*`` keys (``muon_lr``: the Muon matrices' peak lr).
         whole_model: ``model_parts`` hold every parameter of the model (False on a pipeline stage):
             only then is a ``param_groups`` rule that matches nothing refused here (the pre-flight
             checks it for the whole model before launch).
@@ -123,7 +125,9 @@ def build_optimizer(model_parts: list[nn.Module], cfg, *, whole_model: bool = Tr
         run has two param groups, in this order: ``{"name": "decay"}`` (params with ndim >= 2,
         ``weight_decay=cfg.weight_decay``) and ``{"name": "no_decay"}`` (ndim <= 1, ``weight_decay=0``);
         a Muon run has ``muon``, ``decay``, ``no_decay``; each rule adds its groups first
-        (``rule<i>.*``, with ``lr = lr_mult * cfg.lr`` and ``lr_mult`` kept in the group). Groups
+        (``rule<i>.*``, with ``lr = lr_mult * cfg.lr`` and ``lr_mult`` kept in the group). A Muon
+        group's lr is ``cfg.muon_lr`` (times its ``lr_mult``), with ``lr_scale = muon_lr / lr`` kept
+        in the group for the schedule; the AdamW groups of a Muon run take ``cfg.lr`` as AdamW's do. Groups
         without parameters on this rank are left out (DCP's flattened optimizer state cannot
         hold an empty group). For ``Adam`` every group has ``weight_decay=0`` (torch's coupled L2
         decay is deliberately not offered) and a non-zero ``optimizer.weight_decay`` is logged as ignored.
@@ -189,13 +193,16 @@ def _param_groups(named: list[tuple[str, nn.Parameter]], rules: list, cfg, decay
         rule = rules[index] if index is not None else None
         weight_decay = rule.weight_decay if kind == "set" else (decay if kind == "decay" else 0.0)
         group = {"name": group_name(key), "params": params, "weight_decay": weight_decay}
+        # A Muon group's peak is optimizer.muon_lr (x lr_mult), lr_scale = muon_lr / lr over the
+        # schedule's optimizer.lr (engine/train/lr_scheduler.py); the others' is optimizer.lr.
+        base = cfg.muon_lr if cfg.name == "Muon" and algorithm == "muon" else cfg.lr
         if rule is not None:
-            group.update(lr=cfg.lr * rule.lr_mult, lr_mult=rule.lr_mult)
+            group.update(lr=base * rule.lr_mult, lr_mult=rule.lr_mult)
         if cfg.name == "Muon":
             group["algorithm"] = algorithm
-            group.setdefault("lr", cfg.lr)
+            group.setdefault("lr", base)
             if algorithm == "muon":
-                group.update(muon_settings(cfg))
+                group.update(muon_settings(cfg), lr_scale=cfg.muon_lr / cfg.lr)
         groups.append(group)
     return groups
 
