@@ -16,7 +16,6 @@ steps' mean. The README's float8 section quotes its output.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -50,13 +49,10 @@ def train(steps: int, folder: str, overrides: dict) -> list[float]:
 
 
 def logged_losses(folder: str) -> list[float]:
-    """The training losses a run logged (``metrics.jsonl``, one record per step), or []."""
-    path = os.path.join(folder, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    return [r["loss"] for r in records if r.get("kind") == "train"]
+    """The training losses a run logged (``metrics.jsonl``, one per step, engine/parity/runs.py), or []."""
+    from engine.parity.runs import read_history
+
+    return [loss for loss, _ in read_history(folder)]
 
 
 def main() -> None:
