@@ -65,4 +65,5 @@ PY
 done
 printf '\n%-34s %7s %9s %6s %6s %6s\n' module killed survived total other seconds
 for row in "${rows[@]}"; do printf '%-34s %7s %9s %6s %6s %6s\n' $row; done
-echo "survivors: $out/<module>.survived"
+echo "survivors (one per line; \`mutmut show NAME\` in the module's folder prints the change):"
+for module in "${modules[@]}"; do name=${module//\//.}; echo "  $out/${name%.py}.survived"; done

@@ -192,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     precision = PRECISIONS[a.precision]
     from engine.parity.noise import MARGIN, inexact_settings
 
+    if a.noise_floor == "on" and a.precision == "fp64":
+        return _refuse("--noise_floor on --precision fp64: the float64 reference mode is judged at 1e-12; the noise "
+                       "floor is for float32 configs that are not exact (float8, bfloat16, Muon's bfloat16 "
+                       "Newton-Schulz): drop one of the two")
     inexact = inexact_settings(cfg) if a.precision == "fp32" else []
     noise_floor = a.noise_floor == "on" or (a.noise_floor == "auto" and bool(inexact))
     folder = a.out or tempfile.mkdtemp(prefix="quadra-parity-")

@@ -70,7 +70,7 @@ def test_a_float8_layout_gets_the_reference_that_forwards_as_many_sequences(monk
 
     def fake_launch(base_argv, overrides, world_size, folder, env=None):
         launched.append((os.path.basename(folder), overrides.get("training.local_batch_size"),
-                         overrides.get("data.sequence_order_seed"), bool(env and env.get("ATEN_CPU_CAPABILITY"))))
+                         overrides.get("data.sequence_order_seed"), "ATEN_CPU_CAPABILITY" in (env or {})))
         bump = 1e-3 if "regrouped" in folder else 1e-6 * len(launched)  # every run differs from the others
         return RunResult(folder, [(10.0 + bump, 1.0), (9.0, 1.0 + bump)], 1.0)
 

@@ -207,7 +207,9 @@ def test_replay_resumes_the_newest_checkpoint_before_the_step(tmp_path):
 def test_bad_input_is_one_line(tmp_path):
     for args, words in ((["--layouts", "tp3"], "layout tp3:"), (["--layouts", "fsdp2y"], "is not one of"),
                         (["--config", str(tmp_path / "none.toml")], "no such file"),
-                        (["--replay", str(tmp_path)], "no config.toml")):
+                        (["--replay", str(tmp_path)], "no config.toml"),
+                        # the float64 mode's 1e-12 must not be loosened to a float32 noise floor
+                        (["--noise_floor", "on", "--precision", "fp64"], "is judged at 1e-12")):
         proc = subprocess.run([sys.executable, SCRIPT, *args], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and words in proc.stderr, (args, proc.stderr)
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

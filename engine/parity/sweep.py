@@ -120,6 +120,9 @@ class Sweep:
         twins = {}
         if reference.microbatch >= 2:
             twins["reordered sequences"] = (REORDER, None)
+        else:
+            self.say(f"noise floor: one sequence per microbatch ({reference.microbatch}) leaves nothing to reorder: "
+                     "no reordered-sequence twin")
         if self.device_type == "cpu":
             twins["other CPU kernels"] = ({}, kernel_twin_env())
         if not twins:
