@@ -120,3 +120,15 @@ def test_a_muon_step_moves_a_matrix_by_its_own_lr():
     for n in deltas[0]:
         ratio = 2.0 if n.startswith("layers.") and n.endswith("weight") else 1.0
         torch.testing.assert_close(deltas[1][n], deltas[0][n] * ratio, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_the_log_says_which_lr_each_part_takes(caplog):
+    """A Muon run's start-up names both peak lrs and which one the step lines log (a new user's trial:
+    the step lines showed 2e-2 with nothing saying it was the Muon matrices')."""
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        optimizer = build_optimizer([_Model()], OptimizerSection(name="Muon", lr=8e-4, muon_lr=3e-2))
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Muon: "))
+    assert "optimizer.muon_lr = 0.03" in line and "optimizer.lr = 0.0008" in line, line
+    assert f"log the {optimizer.param_groups[0]['name']} group's lr" in line, line

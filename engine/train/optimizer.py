@@ -171,6 +171,10 @@ def build_optimizer(model_parts: list[nn.Module], cfg, *, whole_model: bool = Tr
             )
     groups = _param_groups(named, rules, cfg, decay)
     _log_rule_counts(named, rules, cfg.name)
+    if cfg.name == "Muon":  # two peak lrs: say which is which (the step lines log the first group's)
+        logger.info("Muon: the hidden matrices peak at optimizer.muon_lr = %g (scaled per matrix by muon_adjust_lr = %s), "
+                    "the AdamW part (embedding, head, norms) at optimizer.lr = %g; the step lines log the %s group's lr",
+                    cfg.muon_lr, cfg.muon_adjust_lr, cfg.lr, groups[0].get("name", "the first group") if groups else "-")
     adamw_kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **flags)
     if cfg.name == "Muon":
         from engine.train.muon import MuonWithAdamW
