@@ -26,16 +26,25 @@
 set -uo pipefail
 
 runs=20 max_s=3600 log_dir="" keep_all=0 mode=check
-usage() { echo "usage: $0 [-n RUNS] [-t MAX_SECONDS] [-o LOG_DIR] [-k] [-m check|plain] [--] COMMAND [ARGS...]" >&2; exit 2; }
-while getopts "n:t:o:km:h" opt; do
+usage() {  # with a reason: one line naming what is wrong, then the usage line
+  [ -n "${1:-}" ] && echo "stress.sh: $1" >&2
+  echo "usage: $0 [-n RUNS] [-t MAX_SECONDS] [-o LOG_DIR] [-k] [-m check|plain] [--] COMMAND [ARGS...] (-h: help)" >&2
+  exit 2
+}
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then  # the header comment is the help
+  sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0
+fi
+while getopts "n:t:o:km:" opt; do
   case $opt in
     n) runs=$OPTARG ;; t) max_s=$OPTARG ;; o) log_dir=$OPTARG ;; k) keep_all=1 ;; m) mode=$OPTARG ;; *) usage ;;
   esac
 done
 shift $((OPTIND - 1))
 [ "${1:-}" = "--" ] && shift
-[ $# -gt 0 ] || usage
-[[ $runs =~ ^[0-9]+$ && $max_s =~ ^[0-9]+$ && $mode =~ ^(check|plain)$ ]] || usage
+[ $# -gt 0 ] || usage "no COMMAND to run"
+[[ $runs =~ ^[0-9]+$ ]] || usage "-n $runs: RUNS must be a whole number"
+[[ $max_s =~ ^[0-9]+$ ]] || usage "-t $max_s: MAX_SECONDS must be a whole number"
+[[ $mode =~ ^(check|plain)$ ]] || usage "-m $mode: MODE must be check or plain"
 log_dir=${log_dir:-/tmp/stress-$(date +%Y%m%d-%H%M%S)-$$}
 mkdir -p "$log_dir"
 
