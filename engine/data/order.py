@@ -154,8 +154,8 @@ class MixtureSchedule:
 
 def sequence_permutation(n: int, seed: int) -> list[int]:
     """A fixed reordering of a microbatch's ``n`` sequences (``data.sequence_order_seed``), never the
-    identity when ``n`` >= 2: the first ``n`` values of the window shuffle's bijection of [0, n) for
-    ``seed`` (stream "sequence-order", epoch 0), cyclically shifted by one when that is the identity.
+    identity when ``n`` >= 2: the window shuffle's bijection of [0, n) (:class:`WindowPermutation`,
+    stream -1, so no data set's order, epoch 0), rotated by one when that is the identity.
 
     Every loss term (token-sum cross entropy, z-loss, MoE balance over tokens or per sequence) is a
     sum over sequences, so the step is the same in exact arithmetic; only the order of the float sums

@@ -93,8 +93,6 @@ class Sweep:
         if locate_from:
             self.extra["record.step"] = locate_from
         self._located_references: dict[int, str] = {}
-        self.reference = None
-        self.reference_weights = None
         self.clipping: dict = {}
 
     def _run(self, layout: Layout, tag: str, more: dict | None = None, env: dict | None = None):
@@ -103,8 +101,21 @@ class Sweep:
         return launch(self.base_argv, overrides, layout.world_size, os.path.join(self.folder, tag),
                       env={**(self.env or {}), **(env or {})})
 
+    def _one_process(self, tag: str, what: str, more: dict | None = None, env: dict | None = None):
+        """Train one process (the reference layout) with the reference's overrides and ``more``.
+
+        Raises:
+            RuntimeError: the run failed: "``what`` failed: <its launcher's last lines>".
+        """
+        run = self._run(parse_layout(REFERENCE), tag, {**self._reference_more(), **(more or {})}, env)
+        if run.error:
+            raise RuntimeError(f"{what} failed: {run.error}")
+        return run
+
     # the config's reference and its floor (what the report shows)
     main = property(lambda self: self.references.get(self.local_batch_size))
+    reference = property(lambda self: self.main.run if self.main else None)
+    reference_weights = property(lambda self: self.main.weights if self.main else None)
     floor = property(lambda self: self.main.floor if self.main else [])
     parameter_floor = property(lambda self: self.main.parameter_floor if self.main else 0.0)
     twins = property(lambda self: self.main.twins if self.main else {})
@@ -130,9 +141,7 @@ class Sweep:
                                "training.local_batch_size >= 2 (the kernel twin runs on the CPU only)")
         for index, (name, (twin_more, env)) in enumerate(twins.items()):
             tag = f"noise_twin_{index}" + ("" if reference is self.main else f"_mb{reference.microbatch}")
-            run = self._run(parse_layout(REFERENCE), tag, {**self._reference_more(), **(more or {}), **twin_more}, env)
-            if run.error:
-                raise RuntimeError(f"the noise-floor twin ({name}) failed: {run.error}")
+            run = self._one_process(tag, f"the noise-floor twin ({name})", {**(more or {}), **twin_more}, env)
             reference.twins[name] = run.history
             reference.twin_floors[name] = history_floor(reference.run.history, [run.history])[-1]
             weights = _weights(run)
@@ -163,9 +172,8 @@ class Sweep:
         if reference is None:
             self.say(f"float8: {layout.name}'s ranks forward {microbatch} sequences at a time (activation scales "
                      f"are per forward): one process in microbatches of {microbatch} is its reference")
-            run = self._run(parse_layout(REFERENCE), f"reference_mb{microbatch}", {**self._reference_more(), **more})
-            if run.error:
-                raise RuntimeError(f"the one-process reference in microbatches of {microbatch} failed: {run.error}")
+            run = self._one_process(f"reference_mb{microbatch}",
+                                    f"the one-process reference in microbatches of {microbatch}", more)
             reference = self.references[microbatch] = Reference(run, _weights(run), microbatch)
             if self.noise_floor:
                 self.measure_floor(reference, more)
@@ -173,11 +181,9 @@ class Sweep:
         if floor and self.match_microbatches and int(layout.overrides.get("parallelism.cp", 1)) > 1 and microbatch >= 2:
             half = microbatch // 2
             if half not in self._regrouped:
-                run = self._run(parse_layout(REFERENCE), f"regrouped_mb{half}",
-                                {**self._reference_more(), "training.local_batch_size": half})
-                if run.error:
-                    raise RuntimeError(f"the one-process run in microbatches of {half} failed: {run.error}")
-                self._regrouped[half] = run
+                self._regrouped[half] = self._one_process(f"regrouped_mb{half}",
+                                                          f"the one-process run in microbatches of {half}",
+                                                          {"training.local_batch_size": half})
             floor = history_floor(reference.run.history, [*reference.twins.values(), self._regrouped[half].history])
         return reference, floor
 
@@ -191,15 +197,12 @@ class Sweep:
         Raises:
             RuntimeError: the reference run failed (its launcher's last lines).
         """
-        reference = parse_layout(REFERENCE)
-        self.reference = self._run(reference, "reference", self._reference_more())
-        if self.reference.error:
-            raise RuntimeError(f"the one-process reference failed: {self.reference.error}")
-        clipped, unclipped = clipping_sides(self.reference.history, max_norm)
+        run = self._one_process("reference", "the one-process reference")
+        clipped, unclipped = clipping_sides(run.history, max_norm)
         note = ""
         if clipped == 0:
-            suggested = engaging_max_norm(self.reference.history)
-            norms = [n for _, n in self.reference.history]
+            suggested = engaging_max_norm(run.history)
+            norms = [n for _, n in run.history]
             note = (f"clipping not engaged: every grad norm ({min(norms):.4g} to {max(norms):.4g}) is under "
                     f"training.max_norm {max_norm:g}; training.max_norm {suggested:g} would engage it")
             self.say(note)
@@ -207,12 +210,9 @@ class Sweep:
                 self.extra["training.max_norm"] = suggested
                 max_norm = suggested
                 self.say(f"running the reference and every layout with --training.max_norm {suggested:g}")
-                self.reference = self._run(reference, "reference_clipped", self._reference_more())
-                if self.reference.error:
-                    raise RuntimeError(f"the one-process reference failed: {self.reference.error}")
-                clipped, unclipped = clipping_sides(self.reference.history, max_norm)
-        self.reference_weights = _weights(self.reference)
-        self.references[self.local_batch_size] = Reference(self.reference, self.reference_weights, self.local_batch_size)
+                run = self._one_process("reference_clipped", "the one-process reference")
+                clipped, unclipped = clipping_sides(run.history, max_norm)
+        self.references[self.local_batch_size] = Reference(run, _weights(run), self.local_batch_size)
         self.clipping = {"max_norm": max_norm, "clipped_steps": clipped, "unclipped_steps": unclipped,
                          "engaged": clipped > 0, "note": note}
         if self.noise_floor:
