@@ -54,6 +54,18 @@ def _worker(fn, rank, world_size, port, args, queue, torchrun_env) -> None:
             dist.destroy_process_group()
 
 
+def _set_environ(values: dict[str, str | None]) -> dict[str, str | None]:
+    """Set (None: remove) the variables of ``values`` in ``os.environ``; returns their old values
+    in the same form, so that a second call restores them."""
+    old = {name: os.environ.get(name) for name in values}
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    return old
+
+
 def run_distributed(
     fn: Callable[..., Any], world_size: int, *args, timeout: float | None = None, torchrun_env: bool = True,
     env: dict[str, str | None] | None = None,
@@ -82,21 +94,12 @@ def run_distributed(
         ctx.Process(target=_worker, args=(fn, rank, world_size, port, args, queue, torchrun_env), daemon=True)
         for rank in range(world_size)
     ]
-    saved = {name: os.environ.get(name) for name in (env or {})}
-    for name, value in (env or {}).items():  # a spawned child starts with this process's environment
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+    saved = _set_environ(env or {})  # a spawned child starts with this process's environment
     try:
         for proc in procs:
             proc.start()
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        _set_environ(saved)
     results: dict[int, Any] = {}
     failures: list[str] = []
     try:
