@@ -80,17 +80,17 @@ def job_run_id(checkpoint_id: str | None, run_folder: str, dist_info) -> str:
         run_folder: ``job.dump_folder``; dist_info: the process's ``DistInfo`` (``rank``, ``is_distributed``).
     """
     path = os.path.join(run_folder, RUN_ID_FILE)
+    stored = read_run_id(path) if dist_info.rank == 0 else None  # rank 0 reads the file once
     if checkpoint_id:
         run_id = checkpoint_id
-    elif not dist_info.is_distributed:
-        run_id = read_run_id(path) or new_run_id()
     else:
-        import torch.distributed as dist
+        box = [(stored or new_run_id()) if dist_info.rank == 0 else None]
+        if dist_info.is_distributed:
+            import torch.distributed as dist
 
-        box = [(read_run_id(path) or new_run_id()) if dist_info.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0)
         run_id = box[0]
-    if dist_info.rank == 0 and read_run_id(path) != run_id:
+    if dist_info.rank == 0 and stored != run_id:
         os.makedirs(run_folder, exist_ok=True)
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w", encoding="utf-8") as file:
