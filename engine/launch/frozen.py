@@ -90,11 +90,7 @@ def settle_hang(folder: str, pids: dict[int, int], world_size: int) -> dict[int,
     if not os.path.isdir(folder):
         return {}
     settled = mark_stopped(folder, pids)
-    own = glob.glob(os.path.join(folder, "rank-*.txt"))
-    try:
-        first = min(map(os.path.getmtime, own), default=None)
-    except OSError:
-        return settled
+    first = _first_record_time(folder)
     if first is not None and (len(recorded_ranks(folder)) >= world_size or time.time() - first > RECORD_WAIT_S):
         settled.update(kill_silent(folder, pids))
     return settled
@@ -103,8 +99,18 @@ def settle_hang(folder: str, pids: dict[int, int], world_size: int) -> dict[int,
 def await_hang_records(folder: str, world_size: int) -> None:
     """Wait for every rank's record (its own or a ``.frozen`` mark) until :data:`HANG_WAIT_S` after the
     first one was written: the ranks themselves give up after :data:`RECORD_WAIT_S`."""
-    first = min((os.path.getmtime(p) for p in glob.glob(os.path.join(folder, "rank-*.txt"))), default=time.time())
+    first = _first_record_time(folder)
+    first = time.time() if first is None else first
     await_records(folder, world_size, max(0.0, first + HANG_WAIT_S - time.time()))
+
+
+def _first_record_time(folder: str) -> float | None:
+    """When the first rank's own record (``rank-R.txt``) in ``folder`` was written (its mtime, seconds
+    since the epoch), or None: none yet, or one removed while read."""
+    try:
+        return min(map(os.path.getmtime, glob.glob(os.path.join(folder, "rank-*.txt"))), default=None)
+    except OSError:
+        return None
 
 
 def hang_verdict(folder: str, world_size: int, timeout_s: float, states: dict[int, str] | None = None) -> str:
