@@ -30,8 +30,7 @@ RUNS = {"float32": {}, "float8 tensorwise": {"float8.enable": "true"},
 
 def train(steps: int, folder: str, overrides: dict) -> list[float]:
     """The losses of one run of the debug config with ``overrides``, one per step."""
-    from engine.config import load_config
-    from engine.train.trainer import Trainer
+    from scripts.benchmarks.runs import build_trainer
 
     argv = ["--job.config_file", os.path.join(REPO, "train_configs", "debug_model.toml"),
             "--job.dump_folder", folder, "--job.device", "cpu", "--training.steps", str(steps),
@@ -39,9 +38,7 @@ def train(steps: int, folder: str, overrides: dict) -> list[float]:
             "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false"]
     for key, value in overrides.items():
         argv += [f"--{key}", value]
-    cfg = load_config(argv)
-    cfg.validate()
-    trainer = Trainer(cfg)
+    trainer = build_trainer(argv)
     try:
         return [record["loss"] for record in trainer.train()]
     finally:

@@ -58,17 +58,14 @@ def folder_of(root: str, run: str) -> str:
 def train(config: str, steps: int, folder: str, extra: dict) -> None:
     """Train one run of ``config`` (a train_configs/ file name) with ``extra`` overrides (``section.key``
     -> command-line value); it logs every step's loss to ``folder``/metrics.jsonl."""
-    from engine.config import load_config
-    from engine.train.trainer import Trainer
+    from scripts.benchmarks.runs import build_trainer
 
     argv = ["--job.config_file", os.path.join(REPO, "train_configs", config), "--job.dump_folder", folder,
             "--job.device", "cpu", "--training.steps", str(steps), "--validation.enable", "false",
             "--checkpoint.enable", "false", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false"]
     for key, value in extra.items():
         argv += [f"--{key}", value]
-    cfg = load_config(argv)
-    cfg.validate()
-    trainer = Trainer(cfg)
+    trainer = build_trainer(argv)
     try:
         trainer.train()
     finally:
