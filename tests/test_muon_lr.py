@@ -10,16 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from engine.config import JobConfig, config_to_toml
 from engine.config.fingerprint import fingerprint
 from engine.config.schema import LRSchedulerSection, OptimizerSection
 from engine.train.lr_scheduler import build_lr_scheduler, lr_factor
 from engine.train.optimizer import build_optimizer
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
+from tests.test_fingerprint import _tables  # the default config as TOML tables, with section__key changes
 
 
 class _Model(nn.Module):
@@ -76,14 +71,6 @@ def test_the_schedule_scales_both_lrs_alike():
         optimizer.step()
         scheduler.step()
     assert math.isclose(optimizer.param_groups[2]["lr"], 8e-5 * 2e-2 / 8e-4, rel_tol=1e-12)
-
-
-def _tables(**values) -> dict:
-    tables = tomllib.loads(config_to_toml(JobConfig()))
-    for key, value in values.items():
-        section, name = key.split("__")
-        tables[section][name] = value
-    return tables
 
 
 def test_fingerprint_hashes_muon_lr_only_under_muon():
