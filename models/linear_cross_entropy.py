@@ -31,7 +31,18 @@ import torch.nn.functional as F
 
 IGNORE_INDEX = -100  # label value that contributes neither loss nor gradient
 
-__all__ = ["IGNORE_INDEX", "linear_cross_entropy_sum"]
+__all__ = ["IGNORE_INDEX", "linear_cross_entropy_sum", "z_loss_token_sum"]
+
+
+def z_loss_token_sum(logits: torch.Tensor, labels: torch.Tensor, weight: float) -> torch.Tensor:
+    """PaLM's z-loss (Chowdhery et al. 2022, Sec. 5) of full logits: ``weight`` x the sum over the label
+    tokens of ``logsumexp(logits)^2``, 0-dim, in the logits' dtype (the unfused losses pass fp32 or
+    fp64; :func:`linear_cross_entropy_sum` computes the same term chunk by chunk).
+
+    Args:
+        logits: [N, V] (the tokens flattened); labels: LongTensor [N], -100 where a token has no label.
+    """
+    return weight * (torch.logsumexp(logits, dim=-1).square() * (labels != IGNORE_INDEX)).sum()
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from models.linear_cross_entropy import z_loss_token_sum
+
 IGNORE_INDEX = -100  # label value that contributes neither loss nor a token to the count
 
 
@@ -22,7 +24,7 @@ def token_sum_loss(logits: torch.Tensor, labels: torch.Tensor, global_tokens: to
     flat = logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32))
     loss_sum = F.cross_entropy(flat, labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX)
     if z_loss is not None and z_loss.weight:
-        z_sum = z_loss.weight * (torch.logsumexp(flat, dim=-1).square() * (labels.flatten(0, 1) != IGNORE_INDEX)).sum()
+        z_sum = z_loss_token_sum(flat, labels.flatten(0, 1), z_loss.weight)
         z_loss.add(z_sum)
         loss_sum = loss_sum + z_sum
     return loss_sum / global_tokens

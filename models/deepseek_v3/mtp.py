@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.llama.model import _init_linear
-from models.linear_cross_entropy import linear_cross_entropy_sum
+from models.linear_cross_entropy import linear_cross_entropy_sum, z_loss_token_sum
 
 __all__ = ["MTPModule", "mtp_targets", "token_sum_cross_entropy"]
 
@@ -98,7 +98,7 @@ def token_sum_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch
     flat = logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32))
     loss = F.cross_entropy(flat, labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX)
     if weight_z:
-        z_sum = weight_z * (torch.logsumexp(flat, dim=-1).square() * (labels.flatten(0, 1) != IGNORE_INDEX)).sum()
+        z_sum = z_loss_token_sum(flat, labels.flatten(0, 1), weight_z)
         z_loss.add(z_sum)
         loss = loss + z_sum
     return loss
