@@ -50,9 +50,11 @@ for module in "${modules[@]}"; do
 import json, sys
 path, module, tests = sys.argv[1], sys.argv[2], sys.argv[3:]
 text = open(path).read()
-text += "\n" + "\n".join([f"only_mutate = {json.dumps([module])}",
-                          f"pytest_add_cli_args_test_selection = {json.dumps(tests + ['-m', 'not slow'])}"]) + "\n"
-open(path, "w").write(text.replace("[tool.mutmut]\n", "[tool.mutmut]\n", 1))
+lines = "".join([f"only_mutate = {json.dumps([module])}\n",
+                 f"pytest_add_cli_args_test_selection = {json.dumps(tests + ['-m', 'not slow'])}\n"])
+if "[tool.mutmut]\n" not in text:
+    sys.exit("mutation: pyproject.toml has no [tool.mutmut] table")
+open(path, "w").write(text.replace("[tool.mutmut]\n", "[tool.mutmut]\n" + lines, 1))  # inside the table
 PY
   echo "=== $module: ${TESTS[$module]} ==="
   start=$(date +%s)
