@@ -37,6 +37,36 @@ def mixed_precision_policy(param_dtype: str, reduce_dtype: str) -> MixedPrecisio
                                 reduce_dtype=MIXED_PRECISION_DTYPES[reduce_dtype])
 
 
+def replicated_for_mixed_precision(parallel_dims, param_dtype: str, reduce_dtype: str) -> bool:
+    """Whether a layout without FSDP or DDP is wrapped in DDP over its 1-rank ``dp_replicate`` mesh
+    anyway, so that bfloat16 reaches it through FSDP2's ``MixedPrecisionPolicy`` as on every FSDP /
+    HSDP / DDP layout: one mixed-precision recipe per run, whatever the layout (bfloat16 parameters
+    gathered per unit, unit inputs cast to bfloat16, gradients reduced in ``reduce_dtype``; see the
+    torch.distributed.fsdp.MixedPrecisionPolicy docs). ``torch.autocast`` casts per operation
+    instead and keeps the residual stream in float32, a different numerics that parity against
+    FSDP layouts would see (about 10x their noise floor on the tests' model).
+
+    True when a device mesh exists (every launch, also one process under torchrun), neither FSDP
+    nor DDP applies, and either dtype is bfloat16. A process without a process group (a Trainer
+    built in plain Python) has no mesh and keeps autocast (engine/train/runner.py's StepContext).
+
+    Args:
+        parallel_dims: the run's ParallelDims (fsdp_enabled, ddp_enabled, mesh_built).
+        param_dtype / reduce_dtype: ``training.mixed_precision_param`` / ``_reduce``.
+    """
+    if parallel_dims.fsdp_enabled or parallel_dims.ddp_enabled or not parallel_dims.mesh_built:
+        return False
+    return "bfloat16" in (param_dtype, reduce_dtype)
+
+
+def mixed_precision_by_policy(parallel_dims, param_dtype: str, reduce_dtype: str) -> bool:
+    """Whether FSDP2's ``MixedPrecisionPolicy`` applies the run's dtypes (FSDP, HSDP, DDP, or the 1-rank
+    DDP of :func:`replicated_for_mixed_precision`); False: the forward needs bfloat16 autocast when
+    ``param_dtype`` is bfloat16 (a process without a mesh)."""
+    return (parallel_dims.fsdp_enabled or parallel_dims.ddp_enabled
+            or replicated_for_mixed_precision(parallel_dims, param_dtype, reduce_dtype))
+
+
 def reshard_setting(setting: str, pp_enabled: bool) -> str:
     """``parallelism.fsdp_reshard_after_forward`` as applied: under pipeline parallel a stage runs
     several microbatches back to back, and re-gathering its weights for each costs more than keeping

@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import apply_compile
 from parallelisms.context_parallel import ContextParallel, apply_cp
-from parallelisms.data_parallel import apply_ddp, apply_fsdp, reshard_setting
+from parallelisms.data_parallel import apply_ddp, apply_fsdp, replicated_for_mixed_precision, reshard_setting
 from parallelisms.expert_parallel import ExpertParallel, shard_experts
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import TensorParallelPlan, apply_tp_plan, enable_async_tp, wait_async_output
@@ -140,7 +140,8 @@ def parallelize(
                    param_dtype=param_dtype, reduce_dtype=reduce_dtype, backend=backend,
                    reshard_after_forward=reshard_setting(parallelism_cfg.fsdp_reshard_after_forward,
                                                          parallel_dims.pp_enabled))
-    elif parallel_dims.ddp_enabled:
+    elif parallel_dims.ddp_enabled or replicated_for_mixed_precision(parallel_dims, param_dtype, reduce_dtype):
+        # DDP, or bfloat16 on a layout without data parallel: the same MixedPrecisionPolicy as FSDP
         apply_ddp(model, parallel_dims.mesh("dp_replicate"), param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                   backend=backend)
     return model

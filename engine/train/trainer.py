@@ -45,6 +45,7 @@ from engine.train.fault_tolerance import ReplicaGroup, data_ranks
 from engine.train.step_health import StepHealth, advance_lr_schedule
 from engine.train.recovery import RunRecovery
 from parallelisms.comm_counter import group_names_by_mesh_dim
+from parallelisms.data_parallel import mixed_precision_by_policy
 from parallelisms.grad_norm import clip_grad_norm_
 from engine.observe.record import StepRecorder
 
@@ -166,10 +167,11 @@ class Trainer:
 
     def _build_runner(self):
         dims = self.parallel_dims
-        wrapped = dims.fsdp_enabled or dims.ddp_enabled  # their mixed-precision policy casts instead
+        t = self.cfg.training
+        by_policy = mixed_precision_by_policy(dims, t.mixed_precision_param, t.mixed_precision_reduce)
         context = StepContext(
             self.model_parts, self.device, context_parallel=self.context_parallel,
-            autocast_bf16=self.cfg.training.mixed_precision_param == "bfloat16" and not wrapped,
+            autocast_bf16=t.mixed_precision_param == "bfloat16" and not by_policy,
             loss_parallel=dims.tp_enabled and self.cfg.parallelism.loss_parallel,
             documents=document_inputs(self.cfg.document_mask, self.tokenizer.bos_id, self.context_parallel),
             loss_chunk_tokens=self.cfg.loss.chunk_tokens, z_loss=self.z_loss,
