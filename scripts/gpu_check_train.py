@@ -34,8 +34,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def row_bf16(ctx: Ctx) -> dict:
     """bf16 mixed precision, both ways the engine applies it: FSDP2's MixedPrecisionPolicy
-    (parallelisms.data_parallel.apply_fsdp on the 1-rank mesh, as every multi-GPU run) and bf16
-    autocast (engine.train.runner.StepContext, as a one-process run). Checks: compute in bf16 (the
+    (parallelisms.data_parallel.apply_fsdp on the 1-rank mesh, as every launched run, one process
+    included) and bf16 autocast (engine.train.runner.StepContext, as a Trainer built without torchrun). Checks: compute in bf16 (the
     projections output bf16), fp32 sharded master weights and gradients, loss within 2% and the
     first block's gradient within 5% (relative L2) of the fp32 model with the same weights, but
     not equal to it, and an optimizer step that changes the weights. Source: torch.distributed.fsdp.MixedPrecisionPolicy docs."""
