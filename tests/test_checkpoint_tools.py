@@ -65,6 +65,11 @@ def test_check_writable(tmp_path):
     assert files.check_writable(str(tmp_path / "a" / "b")) is None
     (tmp_path / "file").write_text("x")
     assert "NotADirectoryError" in files.check_writable(str(tmp_path / "file" / "sub"))
+    # the pre-flight's probe (keep=False) removes what it created, and only that
+    assert files.check_writable(str(tmp_path / "c" / "d" / "e"), keep=False) is None
+    assert not (tmp_path / "c").exists() and (tmp_path / "a" / "b").is_dir()
+    assert files.check_writable(str(tmp_path / "a" / "b" / "x"), keep=False) is None
+    assert sorted(os.listdir(tmp_path / "a" / "b")) == []
 
 
 # ---------------------------------------------------------------- state dict keys, LR, signals

@@ -166,10 +166,12 @@ def prune(folder: str, keep_latest_k: int, keep_step: int | None = None) -> list
     return doomed
 
 
-def unwritable_folder_message(setting: str, folder: str) -> str | None:
+def unwritable_folder_message(setting: str, folder: str, *, keep: bool = True) -> str | None:
     """One line for a checkpoint folder that cannot be written, or None: ``setting`` is the value of
-    ``checkpoint.folder`` as configured, ``folder`` where it resolves (creates it when missing)."""
-    problem = check_writable(folder)
+    ``checkpoint.folder`` as configured, ``folder`` where it resolves (created when missing; with
+    ``keep=False`` the folders the probe created are removed again, as a pre-flight or a dry run
+    must leave nothing behind)."""
+    problem = check_writable(folder, keep=keep)
     if problem is None:
         return None
     return (f"checkpoint.folder = {setting!r} resolves to {os.path.abspath(folder)!r}, which cannot be "
@@ -177,8 +179,14 @@ def unwritable_folder_message(setting: str, folder: str) -> str | None:
             "to a writable place")
 
 
-def check_writable(folder: str) -> str | None:
-    """Create ``folder`` and write/delete a probe file; -> None, or the OS error as text."""
+def check_writable(folder: str, *, keep: bool = True) -> str | None:
+    """Create ``folder`` and write/delete a probe file; -> None, or the OS error as text. With
+    ``keep=False`` the folders this call created (``folder`` and missing parents) are removed after."""
+    created = []
+    path = os.path.abspath(folder)
+    while path != os.path.dirname(path) and not os.path.lexists(path):
+        created.append(path)
+        path = os.path.dirname(path)
     try:
         os.makedirs(folder, exist_ok=True)
         probe = os.path.join(folder, f".write-probe-{os.getpid()}")
@@ -187,4 +195,11 @@ def check_writable(folder: str) -> str | None:
         os.remove(probe)
     except OSError as error:
         return f"{type(error).__name__}: {error}"
+    finally:
+        if not keep:
+            for made in created:  # deepest first; one holding something else now stays
+                try:
+                    os.rmdir(made)
+                except OSError:
+                    break
     return None

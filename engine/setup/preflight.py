@@ -287,7 +287,8 @@ def _check_checkpoint_folder(cfg) -> None:
     from engine.checkpoint.files import unwritable_folder_message
 
     if cfg.checkpoint.enable:
-        problem = unwritable_folder_message(cfg.checkpoint.folder, os.path.join(cfg.run_folder, cfg.checkpoint.folder))
+        problem = unwritable_folder_message(cfg.checkpoint.folder, os.path.join(cfg.run_folder, cfg.checkpoint.folder),
+                                            keep=False)  # a dry run leaves no folders behind
         if problem:
             raise ValueError(problem)
 
