@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -96,3 +98,22 @@ def fused_stage_loss(token_sum: torch.Tensor, labels: torch.Tensor, global_token
     """The pipeline's loss function when the last stage already returns the fused token sum:
     ``token_sum / global_tokens`` (``labels`` is the schedule's target, already used by the stage)."""
     return token_sum / global_tokens
+
+
+def last_stage_loss(context):
+    """How the pipeline's last stage turns a microbatch into its loss: ``(takes_labels, loss_fn)``.
+
+    With the fused loss (``context.loss_chunk_tokens > 0``), or an objective that needs the labels
+    (``context.window_parts``: parts whose ``needs_labels``, e.g. multi-token prediction), the stage
+    returns the token sum itself, given the labels as a model keyword (``takes_labels``; torch's
+    schedules split keyword tensors into microbatches like the inputs): ``loss_fn`` is
+    :func:`fused_stage_loss`. Else the stage returns the logits and ``loss_fn`` is
+    :func:`token_sum_loss` with the run's z-loss (``context.z_loss``). Torch's schedules call
+    ``loss_fn(stage output, target, global_tokens=...)``.
+
+    Args:
+        context: the run's ``engine.train.runner.StepContext``.
+    """
+    if context.loss_chunk_tokens > 0 or context.window_parts:
+        return True, fused_stage_loss
+    return False, functools.partial(token_sum_loss, z_loss=context.z_loss)

@@ -20,14 +20,13 @@ over the pp group makes every rank log the true loss, never a placeholder.
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from engine.train.loss import IGNORE_INDEX, fused_stage_loss, model_loss, row_sum_loss, token_sum_loss
+from engine.train.loss import IGNORE_INDEX, last_stage_loss, model_loss, row_sum_loss
 from parallelisms.context_parallel import ContextParallel
 from parallelisms.data_parallel import sync_on_last_microbatch
 from parallelisms.float8 import precompute_float8_scales
@@ -277,11 +276,7 @@ class PipelineRunner(_Runner):
 
     def __init__(self, plan: PipelinePlan, model_parts: list[nn.Module], pp_mesh, context: StepContext):
         super().__init__(model_parts, context)
-        # With the fused loss, or an objective that needs the labels (``needs_labels``), the last stage
-        # returns the token sum itself, given the labels as a model keyword (torch's schedules split
-        # keyword tensors into microbatches like the inputs).
-        self.stage_takes_labels = context.loss_chunk_tokens > 0 or bool(context.window_parts)
-        loss_fn = fused_stage_loss if self.stage_takes_labels else functools.partial(token_sum_loss, z_loss=context.z_loss)
+        self.stage_takes_labels, loss_fn = last_stage_loss(context)  # engine/train/loss.py
         self.stage_loss = _StageLoss(loss_fn)
         self.schedule, stages = build_pipeline_schedule(plan, model_parts, pp_mesh, context.device, self.stage_loss)
         self.plan, self.pp_size = plan, pp_mesh.size()
