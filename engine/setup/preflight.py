@@ -145,6 +145,8 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
     if parallel_dims.pp_enabled:
         pp_plans = _plans_of_every_rank(plan_model_pipeline(p, args, local_batch_size=t.local_batch_size, pp_rank=0),
                                         p.pp)
+    if cfg.loss.mtp_weight > 0:
+        _check_mtp_weight(cfg.loss.mtp_weight, spec, args, label)
     if cfg.optimizer.param_groups and spec.param_shapes is not None:  # a rule matching nothing is a typo
         from engine.config.param_groups import parse_rules, refuse_unmatched
 
@@ -203,6 +205,29 @@ def _check_wandb(cfg) -> None:
     problem = wandb_credentials_problem()
     if problem:
         raise ValueError(problem)
+
+
+def _check_mtp_weight(weight: float, spec, args, label: str) -> None:
+    """Refuse ``loss.mtp_weight > 0`` on a model without multi-token-prediction modules (no
+    ``ModelSpec.prediction_blocks``, or none in these arguments): the weight would weigh nothing.
+
+    Raises:
+        ValueError: one line naming the setting, its value, the model and the fix (the registry's
+            flavors that have the modules).
+    """
+    from models.registry import get_model_spec, list_model_names
+
+    if spec.prediction_blocks is not None and spec.get("prediction_blocks")(args):
+        return
+    with_mtp = []
+    for name in list_model_names():
+        other = get_model_spec(name)
+        if other.prediction_blocks is not None:
+            with_mtp += [f"--model.name {name} --model.flavor {flavor}" for flavor, flavor_args in
+                         sorted(other.flavors.items()) if other.get("prediction_blocks")(flavor_args)]
+    raise ValueError(f"loss.mtp_weight = {weight:g} but model {label} has no multi-token-prediction modules, so the "
+                     f"weight would be ignored. Fix: --loss.mtp_weight 0, or a model with them "
+                     f"({'; '.join(with_mtp[:2]) or 'none is registered'})")
 
 
 def _plans_of_every_rank(plan, pp: int) -> tuple:
