@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run one command many times with glibc's heap checks on, and count how each run ended.
 #
-#   scripts/stress.sh [-n RUNS] [-t MAX_SECONDS] [-o LOG_DIR] [-k] [-m check|plain] [--] COMMAND [ARGS...]
+#   scripts/stress.sh [-n RUNS] [-t MAX_SECONDS] [-o LOG_DIR] [-k] [-m check|plain|asan] [--] COMMAND [ARGS...]
 #
 #   -n RUNS         runs at most (default 20)
 #   -t MAX_SECONDS  total wall time: no run starts after it, a running one is stopped at it (default 3600)
@@ -9,7 +9,12 @@
 #   -k              keep every run's log, not only the failing ones
 #   -m MODE         check (default): the heap checks below; plain: glibc's own allocator with its tcache
 #                   (whose always-on checks said "malloc(): unaligned tcache chunk detected" in issue #54,
-#                   and which the checked allocator bypasses) and MALLOC_PERTURB_ only
+#                   and which the checked allocator bypasses) and MALLOC_PERTURB_ only; asan: AddressSanitizer's
+#                   runtime preloaded (LD_PRELOAD=libasan.so, gcc's): its allocator puts poisoned red zones
+#                   around every block and reports, with both stacks, a double or invalid free, and a
+#                   read or write past a block or after its free made through an intercepted libc call
+#                   (memcpy, memset, memmove, str*: how uninstrumented libraries such as torch, gloo or oneDNN
+#                   copy); a plain store of uninstrumented code is not checked (valgrind would, far slower)
 #
 # Each run gets (in its environment; COMMAND sees STRESS_RUN=<1..RUNS> to make its folders distinct):
 #   MALLOC_CHECK_=3, GLIBC_TUNABLES=glibc.malloc.check=3 and, on glibc >= 2.34 (where the checks moved out of
@@ -28,11 +33,11 @@ set -uo pipefail
 runs=20 max_s=3600 log_dir="" keep_all=0 mode=check
 usage() {  # with a reason: one line naming what is wrong, then the usage line
   [ -n "${1:-}" ] && echo "stress.sh: $1" >&2
-  echo "usage: $0 [-n RUNS] [-t MAX_SECONDS] [-o LOG_DIR] [-k] [-m check|plain] [--] COMMAND [ARGS...] (-h: help)" >&2
+  echo "usage: $0 [-n RUNS] [-t MAX_SECONDS] [-o LOG_DIR] [-k] [-m check|plain|asan] [--] COMMAND [ARGS...] (-h: help)" >&2
   exit 2
 }
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then  # the header comment is the help
-  sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0
+  sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit 0
 fi
 while getopts "n:t:o:km:" opt; do
   case $opt in
@@ -44,7 +49,7 @@ shift $((OPTIND - 1))
 [ $# -gt 0 ] || usage "no COMMAND to run"
 [[ $runs =~ ^[0-9]+$ ]] || usage "-n $runs: RUNS must be a whole number"
 [[ $max_s =~ ^[0-9]+$ ]] || usage "-t $max_s: MAX_SECONDS must be a whole number"
-[[ $mode =~ ^(check|plain)$ ]] || usage "-m $mode: MODE must be check or plain"
+[[ $mode =~ ^(check|plain|asan)$ ]] || usage "-m $mode: MODE must be check, plain or asan"
 log_dir=${log_dir:-/tmp/stress-$(date +%Y%m%d-%H%M%S)-$$}
 mkdir -p "$log_dir"
 
@@ -56,6 +61,15 @@ mechanism="MALLOC_CHECK_=3 + GLIBC_TUNABLES=glibc.malloc.check=3"
 if [ "$mode" = plain ]; then
   check_env=(PYTHONFAULTHANDLER=1 LIBC_FATAL_STDERR_=1)
   mechanism="plain glibc ${glibc:-unknown} allocator (tcache on) + MALLOC_PERTURB_"
+elif [ "$mode" = asan ]; then
+  asan=$(gcc -print-file-name=libasan.so 2>/dev/null || true)
+  [ -n "$asan" ] && [ "$asan" != libasan.so ] && [ -e "$asan" ] || asan=$(ls /usr/lib*/*/libasan.so.[0-9]* 2>/dev/null | head -1)
+  [ -n "$asan" ] || { echo "stress.sh: -m asan needs AddressSanitizer's runtime (libasan.so): install gcc (e.g. apt install gcc)" >&2; exit 2; }
+  # verify_asan_link_order=0: preloaded into a program not built with it; abort_on_error: a report ends
+  # the process with SIGABRT, which the count below sees; detect_leaks=0: Python frees little at exit
+  check_env=("LD_PRELOAD=$asan${LD_PRELOAD:+ $LD_PRELOAD}" PYTHONFAULTHANDLER=1 LIBC_FATAL_STDERR_=1
+             "ASAN_OPTIONS=detect_leaks=0:verify_asan_link_order=0:abort_on_error=1:halt_on_error=1${ASAN_OPTIONS:+:$ASAN_OPTIONS}")
+  mechanism="AddressSanitizer preloaded ($asan)"
 elif [ -n "$glibc" ] && [ "$(printf '%s\n' 2.34 "$glibc" | sort -V | head -1)" = 2.34 ]; then
   if /sbin/ldconfig -p 2>/dev/null | grep -q 'libc_malloc_debug.so.0' || ls /lib*/*/libc_malloc_debug.so.0 >/dev/null 2>&1; then
     check_env+=("LD_PRELOAD=libc_malloc_debug.so.0${LD_PRELOAD:+ $LD_PRELOAD}")
@@ -71,7 +85,11 @@ probe_dir=$(mktemp -d)
 if [ "$mode" = plain ]; then
   echo "heap checks: $mechanism"
 elif command -v gcc >/dev/null; then
-  printf '#include <stdlib.h>\nint main(void){char *p = malloc(20); p[20] = 65; free(p); return 0;}\n' > "$probe_dir/p.c"
+  if [ "$mode" = asan ]; then  # the path ASan checks in uninstrumented code: an intercepted call
+    printf '#include <stdlib.h>\n#include <string.h>\nint main(void){char *p = malloc(20); memset(p, 65, 21); free(p); return 0;}\n' > "$probe_dir/p.c"
+  else
+    printf '#include <stdlib.h>\nint main(void){char *p = malloc(20); p[20] = 65; free(p); return 0;}\n' > "$probe_dir/p.c"
+  fi
   if gcc -O0 -o "$probe_dir/p" "$probe_dir/p.c" 2>/dev/null; then
     { env "${check_env[@]}" MALLOC_PERTURB_=165 "$probe_dir/p" > "$probe_dir/out" 2>&1; } 2>/dev/null
     probe=$?
@@ -87,7 +105,7 @@ fi
 rm -rf "$probe_dir"
 
 # --- the runs -----------------------------------------------------------------------------------------
-crash_pattern='malloc\(\)|free\(\)|double free|corrupted|malloc_consolidate|munmap_chunk|realloc\(\)|Fatal Python error|Segmentation fault|most recent call first|ended with signal'
+crash_pattern='AddressSanitizer|malloc\(\)|free\(\)|double free|corrupted|malloc_consolidate|munmap_chunk|realloc\(\)|Fatal Python error|Segmentation fault|most recent call first|ended with signal'
 declare -A outcomes=() lines=()
 start=$SECONDS done_runs=0 failed=0
 for ((i = 1; i <= runs; i++)); do
