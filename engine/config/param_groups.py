@@ -58,6 +58,7 @@ def parse_rules(texts: list[str], optimizer_name: str) -> list[Rule]:
                                   '"PATTERN [lr_mult=F] [weight_decay=F] [optimizer=muon|adamw]"')
         fields: dict = {}
         for word in words[1:]:
+            # (rpartition is equivalent: a word with two "=" is refused either way, by its key or its value)
             key, sep, value = word.partition("=")
             try:
                 if not sep or key not in ("lr_mult", "weight_decay", "optimizer") or key in fields:
@@ -109,10 +110,18 @@ def default_algorithm(name: str, ndim: int, optimizer_name: str) -> str:
 
 def group_key(name: str, ndim: int, rules: list[Rule], optimizer_name: str) -> tuple[int | None, str, str]:
     """(rule index or None, algorithm, decay kind) of one parameter; decay kind is ``set`` (the rule's
-    weight_decay), ``decay`` (ndim >= 2) or ``no_decay``."""
+    weight_decay), ``decay`` (ndim >= 2) or ``no_decay``.
+
+    Raises:
+        ParamGroupError: a rule's ``optimizer=muon`` takes a parameter that is not a 2-D matrix or a
+            3-D ``[experts, rows, cols]`` stack (Muon orthogonalises matrices: engine/train/muon.py).
+    """
     index = first_match(name, rules)
     rule = rules[index] if index is not None else None
     algorithm = (rule.optimizer if rule and rule.optimizer else default_algorithm(name, ndim, optimizer_name))
+    if rule is not None and algorithm == "muon" and ndim not in (2, 3):
+        raise ParamGroupError(f"optimizer.param_groups rule {rule.text!r} gives optimizer=muon to {name}, a {ndim}-D "
+                              "parameter; Muon takes 2-D matrices and 3-D expert weights: narrow the pattern")
     if rule is not None and rule.weight_decay is not None:
         return index, algorithm, "set"
     return index, algorithm, "decay" if ndim >= 2 else "no_decay"

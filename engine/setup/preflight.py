@@ -148,10 +148,13 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
     if cfg.loss.mtp_weight > 0:
         _check_mtp_weight(cfg.loss.mtp_weight, spec, args, label)
     if cfg.optimizer.param_groups and spec.param_shapes is not None:  # a rule matching nothing is a typo
-        from engine.config.param_groups import parse_rules, refuse_unmatched
+        from engine.config.param_groups import group_key, parse_rules, refuse_unmatched
 
-        refuse_unmatched([s.name for s in spec.get("param_shapes")(args)],
-                         parse_rules(list(cfg.optimizer.param_groups), cfg.optimizer.name))
+        shapes = spec.get("param_shapes")(args)
+        rules = parse_rules(list(cfg.optimizer.param_groups), cfg.optimizer.name)
+        refuse_unmatched([s.name for s in shapes], rules)
+        for s in shapes:  # optimizer=muon on a vector
+            group_key(s.name, len(s.shape), rules, cfg.optimizer.name)
     _check_initial_load(cfg, base_args, label)
     if cfg.eval.enable:  # every task file is read and checked (the ranks tokenize them)
         from engine.data.eval_tasks import parse_task_specs, read_task
