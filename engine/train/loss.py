@@ -20,12 +20,14 @@ def token_sum_loss(logits: torch.Tensor, labels: torch.Tensor, global_tokens: to
     Summing this over every microbatch of every data-parallel rank gives the mean token loss of the
     global batch, so gradients do not depend on how the batch is split (engine/train/trainer.py). With the
     default ``global_tokens = 1`` it is the plain token sum (evaluation). Computed in float32, or
-    float64 for float64 logits (the float64 reference mode). ``z_loss`` (a :class:`ZLoss`, training
-    only): adds PaLM's ``weight * logsumexp(logits)^2`` per label token (Chowdhery et al. 2022, Sec. 5).
+    float64 for float64 logits (the float64 reference mode). ``z_loss`` (a :class:`ZLoss`): in training
+    (grad mode on) adds PaLM's ``weight * logsumexp(logits)^2`` per label token (Chowdhery et al. 2022,
+    Sec. 5); under ``torch.no_grad()`` (evaluation, e.g. a pipeline's last stage in validation) it is
+    neither added nor counted, as the models' own heads do: validation reports the cross entropy alone.
     """
     flat = logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32))
     loss_sum = F.cross_entropy(flat, labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX)
-    if z_loss is not None and z_loss.weight:
+    if z_loss is not None and z_loss.weight and torch.is_grad_enabled():
         z_sum = z_loss_token_sum(flat, labels.flatten(0, 1), z_loss.weight)
         z_loss.add(z_sum)
         loss_sum = loss_sum + z_sum
