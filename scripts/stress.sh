@@ -65,9 +65,13 @@ elif [ "$mode" = asan ]; then
   asan=$(gcc -print-file-name=libasan.so 2>/dev/null || true)
   [ -n "$asan" ] && [ "$asan" != libasan.so ] && [ -e "$asan" ] || asan=$(ls /usr/lib*/*/libasan.so.[0-9]* 2>/dev/null | head -1)
   [ -n "$asan" ] || { echo "stress.sh: -m asan needs AddressSanitizer's runtime (libasan.so): install gcc (e.g. apt install gcc)" >&2; exit 2; }
+  # libstdc++ preloaded beside it: ASan's __cxa_throw interceptor binds at start-up, and without the C++
+  # runtime loaded by then the first C++ exception (torch throws and catches some) fails its CHECK.
   # verify_asan_link_order=0: preloaded into a program not built with it; abort_on_error: a report ends
   # the process with SIGABRT, which the count below sees; detect_leaks=0: Python frees little at exit
-  check_env=("LD_PRELOAD=$asan${LD_PRELOAD:+ $LD_PRELOAD}" PYTHONFAULTHANDLER=1 LIBC_FATAL_STDERR_=1
+  stdcxx=$(gcc -print-file-name=libstdc++.so.6 2>/dev/null || true)
+  [ -e "$stdcxx" ] || stdcxx=$(ls /usr/lib*/*/libstdc++.so.6 2>/dev/null | head -1)
+  check_env=("LD_PRELOAD=$asan${stdcxx:+ $stdcxx}${LD_PRELOAD:+ $LD_PRELOAD}" PYTHONFAULTHANDLER=1 LIBC_FATAL_STDERR_=1
              "ASAN_OPTIONS=detect_leaks=0:verify_asan_link_order=0:abort_on_error=1:halt_on_error=1${ASAN_OPTIONS:+:$ASAN_OPTIONS}")
   mechanism="AddressSanitizer preloaded ($asan)"
 elif [ -n "$glibc" ] && [ "$(printf '%s\n' 2.34 "$glibc" | sort -V | head -1)" = 2.34 ]; then

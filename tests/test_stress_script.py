@@ -1,4 +1,4 @@
-"""scripts/stress.sh (outside the suite's runs, a tool for heap corruption hunts, issue #54): a bad
+"""scripts/stress.sh (outside the suite's runs, a tool for heap-corruption hunts): a bad
 mode is refused in one line, and each heap-check mode turns a 1-byte heap overflow in a child process
 into a counted failing run with its checker's line, the way the hunt relies on."""
 
@@ -49,3 +49,15 @@ def test_a_heap_overflow_is_a_counted_failing_run(tmp_path, mode):
     if mode == "asan":
         assert "AddressSanitizer: heap-buffer-overflow" in summary, summary
     assert len(os.listdir(tmp_path / "logs")) == 2  # both failing runs' logs kept
+
+
+def test_asan_mode_runs_torch_which_throws_and_catches_cpp_exceptions(tmp_path):
+    """Under the preloaded sanitizer a C++ exception inside torch (an op refusing its shapes) reaches
+    Python as a RuntimeError; without libstdc++ preloaded beside libasan it aborted every rank
+    ("CHECK failed: ... real___cxa_throw") before step 1."""
+    if not shutil.which("gcc"):
+        pytest.skip("no gcc here: -m asan finds AddressSanitizer's runtime through it")
+    code = ("import torch\ntry:\n    torch.ones(2) + torch.ones(3)\nexcept RuntimeError:\n    print('caught')\n")
+    run = _stress(tmp_path, "-m", "asan", "-n", "1", "-t", "100", "-k", "--", sys.executable, "-c", code)
+    assert run.returncode == 0 and "run 1: exit 0" in run.stdout, run.stdout + run.stderr
+    assert "caught" in (tmp_path / "logs" / "run-1.log").read_text()
