@@ -131,20 +131,15 @@ def _rank_work(folder: str, layouts: dict) -> dict:
 
 
 def _with_local_amax(fn):
-    """Run ``fn`` with torchao's amax all-reduce switched off and no precomputed scales: each FSDP
-    rank then scales its float8 weight shard by its own shard's amax (the defect of a scale taken
-    from the local shard instead of the whole tensor)."""
-    import torchao.float8.float8_utils as utils
+    """Run ``fn`` with each FSDP rank's float8 weight scale taken from its own shard (the defect of
+    tests/parity_defects/sitecustomize.py's ``float8_local_amax``)."""
+    from tests.parity_defects.sitecustomize import local_float8_amax
 
-    import engine.train.runner as runner
-
-    amax, precompute = utils.tensor_to_amax, runner.precompute_float8_scales
-    utils.tensor_to_amax = lambda x, reduce_amax=False, *a, **k: amax(x, False, *a, **k)
-    runner.precompute_float8_scales = lambda parts: None
+    restore = local_float8_amax()
     try:
         return fn()
     finally:
-        utils.tensor_to_amax, runner.precompute_float8_scales = amax, precompute
+        restore()
 
 
 @pytest.fixture(scope="module")

@@ -147,18 +147,26 @@ def _install() -> None:
 
     trainer.Trainer.train_step = counting_train_step
     if any(kind == "float8_local_amax" for kind, _, _ in _parse()):
-        _local_float8_amax()
+        local_float8_amax()
 
 
-def _local_float8_amax() -> None:
-    """The ``float8_local_amax`` defect (as tests/test_float8.py's local-shard run)."""
+def local_float8_amax():
+    """The ``float8_local_amax`` defect, installed in this process: torchao's amax all-reduce switched
+    off and no precomputed scales, so each FSDP rank scales its float8 weight shard by its own shard's
+    amax instead of the whole weight's (also tests/test_float8.py's local-shard run). Returns a function
+    that puts torchao's and the runner's own back."""
     import torchao.float8.float8_utils as utils
 
     import engine.train.runner as runner
 
-    amax = utils.tensor_to_amax
+    amax, precompute = utils.tensor_to_amax, runner.precompute_float8_scales
     utils.tensor_to_amax = lambda x, reduce_amax=False, *a, **k: amax(x, False, *a, **k)
     runner.precompute_float8_scales = lambda parts: None
+
+    def restore() -> None:
+        utils.tensor_to_amax, runner.precompute_float8_scales = amax, precompute
+
+    return restore
 
 
 if _DEFECTS and "RANK" in os.environ:
