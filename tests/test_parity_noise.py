@@ -12,7 +12,7 @@ import os
 import pytest
 
 from engine.parity.compare import TOLERANCES
-from engine.parity.layouts import Layout, fit_batch, parse_layout
+from engine.parity.layouts import ParityLayout, fit_batch, parse_layout
 from engine.parity.sweep import Sweep, format_table
 from tests.extras import require_extra
 from tests.training_utils import MAX_NORM, REPO, base_args
@@ -40,7 +40,7 @@ def sweep(tmp_path_factory):
     # float8 all-gather (an execution key: the same float8 values) with the local-shard scale defect
     out.env = {**env, "QUADRA_TEST_DEFECT": "float8_local_amax:*"}
     layout = fit_batch(parse_layout("fsdp2"), 4, 8)
-    defect = Layout("fsdp2_local_amax", 2, {**layout.overrides, "float8.fsdp_all_gather": "true"})
+    defect = ParityLayout("fsdp2_local_amax", 2, {**layout.overrides, "float8.fsdp_all_gather": "true"})
     rows["defect"] = out.compare(defect)
     return out, rows
 

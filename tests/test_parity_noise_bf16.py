@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from engine.parity.layouts import Layout, fit_batch, parse_layout
+from engine.parity.layouts import ParityLayout, fit_batch, parse_layout
 from engine.parity.sweep import Sweep, format_table
 from tests.training_utils import MAX_NORM, REPO, base_args
 
@@ -35,7 +35,7 @@ def bf16_sweep(tmp_path_factory):
     rows = {name: out.compare(fit_batch(parse_layout(name), 8, 8)) for name in ("fsdp2", "tp2", "fsdp2xtp2")}
     out.env = {**env, "QUADRA_TEST_DEFECT": "dp_grad_scale:output.weight"}
     defect = fit_batch(parse_layout("fsdp2"), 8, 8)
-    rows["defect"] = out.compare(Layout("fsdp2_grad_doubled", 2, defect.overrides))
+    rows["defect"] = out.compare(ParityLayout("fsdp2_grad_doubled", 2, defect.overrides))
     return out, rows
 
 

@@ -37,7 +37,7 @@ class LayoutError(ValueError):
 
 
 @dataclass
-class Layout:
+class ParityLayout:
     """One parity layout.
 
     Attributes:
@@ -52,8 +52,8 @@ class Layout:
     accum: int = 0
 
 
-def parse_layout(name: str) -> Layout:
-    """The :class:`Layout` of a name such as ``"fsdp2xtp2"`` or ``"pp2:Interleaved1F1B"``.
+def parse_layout(name: str) -> ParityLayout:
+    """The :class:`ParityLayout` of a name such as ``"fsdp2xtp2"`` or ``"pp2:Interleaved1F1B"``.
 
     Raises:
         LayoutError: an unknown part, a degree below 1, a part given twice, an unknown schedule.
@@ -63,7 +63,7 @@ def parse_layout(name: str) -> Layout:
     extra: dict = {}
     accum, seen = 0, set()
     if name == REFERENCE:
-        return Layout(REFERENCE, 1, {f"parallelism.{k}": 1 for k in DEGREE_KEYS})
+        return ParityLayout(REFERENCE, 1, {f"parallelism.{k}": 1 for k in DEGREE_KEYS})
     for part in name.split("x"):
         match = _PART.match(part)
         if not match:
@@ -82,7 +82,7 @@ def parse_layout(name: str) -> Layout:
     world = degrees["pp"] * degrees["dp_replicate"] * degrees["dp_shard"] * degrees["cp"] * degrees["tp"]
     overrides = {f"parallelism.{k}": v for k, v in degrees.items()}
     overrides.update(extra)
-    return Layout(name, world, overrides, accum)
+    return ParityLayout(name, world, overrides, accum)
 
 
 def _apply_part(name: str, kind: str, degree: int, option: str | None, degrees: dict, extra: dict) -> None:
@@ -109,7 +109,7 @@ def _apply_part(name: str, kind: str, degree: int, option: str | None, degrees: 
             extra["parallelism.pp_schedule"] = next(s for s in KNOWN_SCHEDULES if s.lower() == option.lower())
 
 
-def fit_batch(layout: Layout, local_batch_size: int, global_batch_size: int) -> Layout:
+def fit_batch(layout: ParityLayout, local_batch_size: int, global_batch_size: int) -> ParityLayout:
     """``layout`` with the ``training.local_batch_size`` that keeps ``global_batch_size`` (the same
     samples per optimizer step as one process): ``global / (dp · N)`` for an ``accumN`` part, else the
     config's ``local_batch_size`` when dp × it divides the global batch, else the largest local batch
@@ -131,7 +131,7 @@ def fit_batch(layout: Layout, local_batch_size: int, global_batch_size: int) -> 
         local = max(b for b in range(1, min(local_batch_size, per_rank) + 1) if per_rank % b == 0)
     if local == local_batch_size and not layout.accum:
         return layout
-    return Layout(layout.name, layout.world_size, {**o, "training.local_batch_size": local}, layout.accum)
+    return ParityLayout(layout.name, layout.world_size, {**o, "training.local_batch_size": local}, layout.accum)
 
 
 def candidate_layouts(moe: bool) -> list[str]:
@@ -149,7 +149,7 @@ def candidate_layouts(moe: bool) -> list[str]:
     return names
 
 
-def auto_layouts(process_budget: int, moe: bool) -> tuple[list[Layout], list[str]]:
+def auto_layouts(process_budget: int, moe: bool) -> tuple[list[ParityLayout], list[str]]:
     """(layouts of :func:`candidate_layouts` within ``process_budget`` processes, names left out with
     the reason). Legality against the config is checked by the caller (:func:`check_layout`)."""
     kept, left_out = [], []
@@ -162,7 +162,7 @@ def auto_layouts(process_budget: int, moe: bool) -> tuple[list[Layout], list[str
     return kept, left_out
 
 
-def check_layout(cfg_argv: list[str], layout: Layout, device_type: str) -> str | None:
+def check_layout(cfg_argv: list[str], layout: ParityLayout, device_type: str) -> str | None:
     """None if the launcher's pre-flight accepts ``layout`` on top of ``cfg_argv`` (CLI-style config
     arguments), else its one-line reason."""
     from engine.config import ConfigError, load_config

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from engine.parity.compare import (TOLERANCES, clipping_sides, engaging_max_norm, history_differences,
                                    parameter_differences)
-from engine.parity.layouts import REFERENCE, Layout, parse_layout
+from engine.parity.layouts import REFERENCE, ParityLayout, parse_layout
 from engine.parity.noise import MARGIN, REORDER, kernel_twin_env, history_floor, step_tolerances, tolerance_of
 from engine.parity.runs import launch, parity_overrides
 
@@ -95,7 +95,7 @@ class Sweep:
         self._located_references: dict[int, str] = {}
         self.clipping: dict = {}
 
-    def _run(self, layout: Layout, tag: str, more: dict | None = None, env: dict | None = None):
+    def _run(self, layout: ParityLayout, tag: str, more: dict | None = None, env: dict | None = None):
         overrides = {**layout.overrides, **self.extra,
                      **parity_overrides(os.path.join(self.folder, tag), self.steps, self.replay), **(more or {})}
         return launch(self.base_argv, overrides, layout.world_size, os.path.join(self.folder, tag),
@@ -150,7 +150,7 @@ class Sweep:
                                                 parameter_differences(weights, reference.weights)[0])
         reference.floor = history_floor(reference.run.history, list(reference.twins.values()))
 
-    def forward_batch(self, layout: Layout) -> int:
+    def forward_batch(self, layout: ParityLayout) -> int:
         """Sequences each rank of ``layout`` forwards at a time: its pipeline microbatch under pp, else
         its local batch (fitted to its dp degree, engine/parity/layouts.py's fit_batch)."""
         o = layout.overrides
@@ -158,7 +158,7 @@ class Sweep:
             return int(o.get("parallelism.pp_microbatch_size", self.pp_microbatch_size))
         return int(o.get("training.local_batch_size", self.local_batch_size))
 
-    def reference_for(self, layout: Layout) -> tuple[Reference, list[float]]:
+    def reference_for(self, layout: ParityLayout) -> tuple[Reference, list[float]]:
         """(the one-process reference ``layout`` is judged against, its floor for this layout): the
         config's, or under float8 the one forwarding as many sequences at a time (trained on first
         use, with its twins), a cp layout's floor widened by the regrouped run (module docstring).
@@ -219,7 +219,7 @@ class Sweep:
             self.measure_floor(self.main)
         return self.clipping
 
-    def compare(self, layout: Layout) -> dict:
+    def compare(self, layout: ParityLayout) -> dict:
         """Train ``layout`` and compare it with its reference (:meth:`reference_for`); returns its
         report row (with ``floor``, ``parameter_floor`` and ``reference_microbatch`` under a noise floor)."""
         start = time.perf_counter()
@@ -250,7 +250,7 @@ class Sweep:
         row["seconds_total"] = round(time.perf_counter() - start, 1)
         return row
 
-    def locate(self, layout: Layout, run_folder: str, failing: int) -> dict:
+    def locate(self, layout: ParityLayout, run_folder: str, failing: int) -> dict:
         """The locator's findings (engine/parity/locate.py) for ``layout`` at its ``failing`` step
         (1-based within the sweep's steps): the records of the runs themselves when it is the first
         step, else re-runs of that step by the layout and by one process, both resuming the one
