@@ -26,6 +26,8 @@ def token_sum_loss(logits: torch.Tensor, labels: torch.Tensor, global_tokens: to
     neither added nor counted, as the models' own heads do: validation reports the cross entropy alone.
     """
     flat = logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32))
+    # Equivalent mutants here and in row_sum_loss: labels.flatten(0) is flatten(0, 1) for labels [B, S];
+    # IGNORE_INDEX is also F.cross_entropy's default ignore_index (-100), so leaving it out changes nothing.
     loss_sum = F.cross_entropy(flat, labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX)
     if z_loss is not None and z_loss.weight and torch.is_grad_enabled():
         z_sum = z_loss_token_sum(flat, labels.flatten(0, 1), z_loss.weight)
@@ -90,9 +92,9 @@ def model_loss(model, inputs: torch.Tensor, labels: torch.Tensor, global_tokens:
         model_kwargs: the model's other keyword inputs (document masking's ids and positions).
         z_loss: the unfused loss's :class:`ZLoss` (the fused one reads the model's ``z_loss`` attribute).
     """
-    if chunk_tokens > 0 or getattr(model, "needs_labels", False):
+    if chunk_tokens > 0 or getattr(model, "needs_labels", False):  # (a default None is as falsy: equivalent)
         token_sum = model(inputs, labels=labels, loss_chunk_tokens=chunk_tokens, **model_kwargs)
-        return fused_stage_loss(token_sum, labels, global_tokens)
+        return fused_stage_loss(token_sum, labels, global_tokens)  # (labels unused there: None is equivalent)
     return token_sum_loss(model(inputs, **model_kwargs), labels, global_tokens, z_loss=z_loss)
 
 
