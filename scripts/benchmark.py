@@ -70,7 +70,7 @@ from scripts.benchmarks import runs  # noqa: E402
 from scripts.benchmarks.harness import MachineBusyError, Stat, guard_load, interleave, ratio_stat  # noqa: E402
 from scripts.benchmarks.compile_parallel import case_compile_parallel  # noqa: E402,F401  (found by name)
 from scripts.benchmarks.optimizers import case_muon  # noqa: E402,F401  (found by name in main)
-from tests.dist_utils import run_distributed  # noqa: E402
+from engine.testing.processes import run_distributed  # noqa: E402
 
 CASES = ("loop", "scaling", "comm", "memory", "ac_compile", "document_mask", "loss", "data", "muon",
          "compile_parallel")

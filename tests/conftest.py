@@ -16,7 +16,7 @@ except ImportError:  # pragma: no cover - only where datasets is not installed
     pass
 import engine.train.trainer  # noqa: F401,E402
 
-from tests.dist_utils import run_distributed
+from engine.testing.processes import run_distributed
 from tests.training_utils import MAX_NORM, REPO, SMALL_CORPUS, base_args, clipping_sides, train_and_record
 
 

@@ -1,7 +1,7 @@
 """Short runs of the tests' tiny model for tests/test_fingerprint_behaviour.py, and their comparison.
 
 A :class:`Run` is a set of config overrides (on top of :data:`SETTING`), a world size, step faults to
-inject (tests/step_health_utils.py) and a checkpoint to resume. :func:`train_runs` trains a list of
+inject (engine/testing/faults.py) and a checkpoint to resume. :func:`train_runs` trains a list of
 runs in turn inside one process (or the same forked ranks): a fresh Trainer each, no launcher, so a run
 costs its start-up (~0.3 s) and 3 steps. Each run leaves ``params-rank<r>.pt`` (its full parameters,
 unwrapped names) in its folder; :func:`compare` reads them back in the test process, so no weights
@@ -41,7 +41,7 @@ class Run:
     Attributes:
         overrides: ((key, value as text), ...) sorted, on top of :data:`SETTING`.
         world_size: processes (1: no process group).
-        inject: ((1-based step, kind of tests/step_health_utils.KINDS), ...).
+        inject: ((1-based step, kind of engine/testing/faults.KINDS), ...).
         resume: > 0: copy the checkpoints of steps 1..resume of :data:`SOURCE` into the run's
             checkpoint folder before it starts (the run resumes one of them).
     """
@@ -122,7 +122,7 @@ def train_one(root: str, run: Run) -> dict:
     import torch
 
     from engine.train.trainer import Trainer, TrainingDivergedError
-    from tests.step_health_utils import inject
+    from engine.testing.faults import inject
 
     folder = os.path.join(root, run.name)
     if run.resume:
@@ -290,7 +290,7 @@ class Lab:
         needs_source = any(run.resume or any(SOURCE_FOLDER in value for _, value in run.overrides) for run in todo)
         if needs_source and SOURCE.name not in self.results:
             todo = [SOURCE] + [run for run in todo if run != SOURCE]
-        from tests.dist_utils import run_distributed
+        from engine.testing.processes import run_distributed
 
         for world_size in sorted({run.world_size for run in todo}):
             batch = [run for run in todo if run.world_size == world_size]

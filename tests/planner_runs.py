@@ -1,6 +1,6 @@
 """What a real multi-process CPU run holds and sends, per rank, for comparison with engine/planner.
 
-:func:`measure_layouts` runs inside every rank of one process group (tests/dist_utils.py) and, for
+:func:`measure_layouts` runs inside every rank of one process group (engine/testing/processes.py) and, for
 each layout in turn, builds a Trainer, trains one warm-up step and then measures the second step:
 - state bytes: local shards of the parameters, of the gradients just before ``optimizer.step()`` and
   of every optimizer state tensor after it;
@@ -12,6 +12,7 @@ each layout in turn, builds a Trainer, trains one warm-up step and then measures
 
 from __future__ import annotations
 
+from engine.testing.memory import local_bytes, peak_tracker
 from tests.training_utils import base_args, run_in_turn
 
 
@@ -27,99 +28,9 @@ def real_plan_states(cfg, world_size: int, ranks: list[int]) -> list[tuple[dict,
     in a forked child: a process that has built a plan under the fake process group must not fork
     the training ranks of later tests (they trained different numbers, or failed to resolve their
     process groups, when it did)."""
-    from tests.dist_utils import run_distributed
+    from engine.testing.processes import run_distributed
 
     return run_distributed(_build_real_plans, 1, cfg, world_size, ranks, torchrun_env=False)[0]
-
-
-def _local_bytes(tensors) -> int:
-    from torch.distributed.tensor import DTensor
-
-    total = 0
-    for t in tensors:
-        local = t.to_local() if isinstance(t, DTensor) else t
-        total += local.numel() * local.element_size()
-    return total
-
-
-def peak_tracker(trainer):
-    """A torch ``MemTracker`` over the model parts and the optimizer that, at every tensor allocation
-    of the step it is entered around, records two peaks (bytes):
-
-    - ``activation_peak``: the largest sum of the categories ACT + TEMP + OTH (every live tensor that
-      is not a parameter, buffer, gradient or optimizer state): the planner's ``activations``;
-    - ``transient_peak``: the largest sum of every live tensor byte that is not the rank's own state
-      (its parameter shards, the gradients of those shards alive at that moment, optimizer state,
-      buffers). FSDP2 / ``replicate`` register the all-gathered (unsharded) parameters as the
-      module's parameters, so ``MemTracker`` counts them as PARAM, and their accumulated gradients as
-      GRAD; reduce-scatter / all-reduce buffers are allocated in backward and count as TEMP. This is
-      what the planner's ``peak_nonstate_bytes`` predicts;
-    - ``reduction_peak``: the same sum, only while an FSDP2 / ``replicate`` parameter group runs its
-      ``post_backward`` (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py: reshard, gradient
-      copy-in, reduce-scatter, all-reduce): what engine/planner/reduction.py predicts. The method is
-      wrapped while the tracker is entered (the ranks are forked test processes).
-
-    ``MemTracker`` refuses a second forward of a root module (accumulation and pipeline
-    microbatches call it several times); those calls are let through, the peaks are still tracked.
-    """
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    params = [p for part in trainer.model_parts for p in part.parameters()]
-    held_params = _local_bytes(params)
-    # A gradient has its parameter's local shape (tests/training_utils.py gradient_placement_errors):
-    # its bytes are known in advance, so each allocation only checks which gradients exist.
-    grad_bytes = [(p, _local_bytes([p])) for p in params]
-
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-
-    class _RepeatedCalls(MemTracker):
-        activation_peak = 0
-        transient_peak = 0
-        reduction_peak = 0
-        in_reduction = False
-
-        def _update_peak_stats(self, peak_state) -> None:
-            # MemTracker's own per-module and per-device peaks (deep copies of the snapshot, for every
-            # tracked module, at every allocation) are never read here: they cost half the measured
-            # step. The three peaks below need only the current snapshot.
-            for categories in self._curr_mem_snap.values():
-                named = {str(c).rsplit(".", 1)[-1]: b for c, b in categories.items()}
-                live = named.get("ACT", 0) + named.get("TEMP", 0) + named.get("OTH", 0)
-                self.activation_peak = max(self.activation_peak, live)
-                state = held_params + sum(size for p, size in grad_bytes if p.grad is not None)
-                other = named.get("PARAM", 0) + named.get("GRAD", 0) - state
-                self.transient_peak = max(self.transient_peak, live + other)
-                if self.in_reduction:
-                    self.reduction_peak = max(self.reduction_peak, live + other)
-
-        def __enter__(self):
-            original = FSDPParamGroup.post_backward
-            tracker = self
-
-            def post_backward(group, *args, **kwargs):
-                tracker.in_reduction = True
-                try:
-                    return original(group, *args, **kwargs)
-                finally:
-                    tracker.in_reduction = False
-
-            self._original_post_backward = original
-            FSDPParamGroup.post_backward = post_backward
-            return super().__enter__()
-
-        def __exit__(self, *exc):
-            FSDPParamGroup.post_backward = self._original_post_backward
-            return super().__exit__(*exc)
-
-        def _pre_fw_hook(self, module, inputs):
-            try:
-                super()._pre_fw_hook(module, inputs)
-            except NotImplementedError:  # the root module's next microbatch
-                pass
-
-    tracker = _RepeatedCalls()
-    tracker.track_external(*trainer.model_parts, trainer.optimizer)
-    return tracker
 
 
 def measure_one(argv: list[str]) -> dict:
@@ -140,7 +51,7 @@ def measure_one(argv: list[str]) -> dict:
         grads: list[int] = []
         params = [p for part in trainer.model_parts for p in part.parameters()]
         handle = trainer.optimizer.register_step_pre_hook(
-            lambda *_: grads.append(_local_bytes([p.grad for p in params if p.grad is not None])))
+            lambda *_: grads.append(local_bytes([p.grad for p in params if p.grad is not None])))
         tracker = peak_tracker(trainer)
         with CommCounter() as comm, tracker:
             trainer.train_step()
@@ -165,7 +76,7 @@ def measure_one(argv: list[str]) -> dict:
         aliases = {name: names.get(mesh.get_group().group_name, name)
                    for name, mesh in trainer.parallel_dims.meshes.items() if mesh.ndim == 1 and mesh.size() > 1}
         return {"rank": dist.get_rank() if dist.is_initialized() else 0, "coords": coords, "aliases": aliases,
-                "params": _local_bytes(params), "grads": grads[0], "optimizer": _local_bytes(optimizer_tensors),
+                "params": local_bytes(params), "grads": grads[0], "optimizer": local_bytes(optimizer_tensors),
                 "comm": by_dim,
                 "activations": tracker.activation_peak, "activations_transient": tracker.transient_peak,
                 "reduction": tracker.reduction_peak}
@@ -188,7 +99,7 @@ def measured_layouts(layouts: dict[str, tuple[int, dict]], folder: str):
     Raises (from ``get``):
         AssertionError: a rank's measurement failed (its traceback).
     """
-    from tests.dist_utils import run_distributed
+    from engine.testing.processes import run_distributed
 
     cache: dict[int, list[dict]] = {}
 

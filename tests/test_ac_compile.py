@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from tests.dist_utils import run_distributed
+from engine.testing.processes import run_distributed
 from tests.training_utils import assert_parity, base_args, quadra_log_lines, train_and_record
 
 pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from tests.dist_utils import run_distributed
+from engine.testing.processes import run_distributed
 from tests.training_utils import base_args, train_and_record
 
 pytestmark = pytest.mark.slow  # training runs (see pyproject.toml)

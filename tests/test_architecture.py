@@ -145,15 +145,20 @@ def test_family_check_catches(tmp_path, source, expected):
     assert len(found) == 1 and expected in found[0], found
 
 
-def test_models_and_parallelisms_never_import_engine():
+# (package, package it must never import): models/ and parallelisms/ stand below engine/; what scripts/
+# (benchmarks included) or engine/ share with the tests lives in engine/testing/, not in tests/.
+NEVER_IMPORTS = [("models", "engine"), ("parallelisms", "engine"), ("scripts", "tests"), ("engine", "tests")]
+
+
+@pytest.mark.parametrize("package, forbidden", NEVER_IMPORTS)
+def test_packages_never_import_the_ones_above_them(package, forbidden):
     found = []
-    for package in ("models", "parallelisms"):
-        for path in _python_files(os.path.join(REPO, package)):
-            with open(path, encoding="utf-8") as fh:
-                tree = ast.parse(fh.read(), path)
-            found += [f"{os.path.relpath(path, REPO)}:{line} imports {module}"
-                      for line, module in imported_modules(tree) if module.split(".")[0] == "engine"]
-    assert not found, "models/ and parallelisms/ must not import engine/:\n" + "\n".join(sorted(set(found)))
+    for path in _python_files(os.path.join(REPO, package)):
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read(), path)
+        found += [f"{os.path.relpath(path, REPO)}:{line} imports {module}"
+                  for line, module in imported_modules(tree) if module.split(".")[0] == forbidden]
+    assert not found, f"{package}/ must not import {forbidden}/:\n" + "\n".join(sorted(set(found)))
 
 
 # engine/'s floors (engine/docs/architecture.md, "Layers"): each package may import itself and the
@@ -170,6 +175,7 @@ ENGINE_LAYERS: dict[str, set[str]] = {
     "planner": {"config", "observe", "setup"},
     "parity": {"config", "convert", "setup"},
     "launch": {"config", "observe", "planner", "setup"},
+    "testing": set(),
 }
 
 

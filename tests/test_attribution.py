@@ -9,7 +9,7 @@ import math
 import pytest
 
 from engine.observe.attribution import step_attribution
-from tests.dist_utils import run_distributed
+from engine.testing.processes import run_distributed
 from tests.training_utils import base_args
 
 

@@ -27,7 +27,7 @@ from tests.checkpoint_utils import (
     STEPS, STOP, assert_bitwise_equal, assert_losses_close, ckpt_args, copy_checkpoint, read_checkpoint,
     train_run, write_tiny_corpus,
 )
-from tests.dist_utils import run_distributed
+from engine.testing.processes import run_distributed
 
 pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)
 

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from models import get_model_args
-from tests.dist_utils import run_distributed
+from engine.testing.processes import run_distributed
 from tests.training_utils import FLAVOR, base_args
 
 pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)

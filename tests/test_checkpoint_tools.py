@@ -17,7 +17,7 @@ from engine.checkpoint.state import (
     _restore, _strip, changed_settings, optimizer_settings, reapply_lr, restore_optimizer_settings,
 )
 from engine.train.signals import StopRequest
-from tests.dist_utils import run_distributed
+from engine.testing.processes import run_distributed
 from tests.training_utils import REPO, base_args
 
 

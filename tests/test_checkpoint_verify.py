@@ -20,7 +20,7 @@ import pytest
 
 from engine.checkpoint import files, manifest
 from tests.checkpoint_utils import STEPS, STOP, ckpt_args, train_run, write_tiny_corpus
-from tests.dist_utils import run_distributed
+from engine.testing.processes import run_distributed
 
 SHARD = "__0_0.distcp"
 

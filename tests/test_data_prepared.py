@@ -273,7 +273,7 @@ def _last_record(run_folder: str) -> dict:
 @pytest.mark.slow
 def test_exact_resume_under_fsdp2_and_after_a_dp_change(sets, tok, tmp_path):
     from tests.checkpoint_utils import assert_losses_close, copy_checkpoint, write_tiny_corpus
-    from tests.dist_utils import run_distributed
+    from engine.testing.processes import run_distributed
 
     # 28 windows of 33 tokens at 3/4 of 8 per step: its first epoch ends in step 5, after the second resume.
     tiny = str(tmp_path / "tiny")

@@ -233,7 +233,7 @@ def _switch_data(folder: str, first: str, second: str) -> dict:
 @pytest.mark.parametrize("direction", ["raw to prepared", "prepared to raw"])
 def test_a_run_switched_between_raw_and_prepared_data_keeps_its_model_and_restarts_the_data(sets, tmp_path,
                                                                                              direction):
-    from tests.dist_utils import run_distributed
+    from engine.testing.processes import run_distributed
 
     paths = [sets["a"].raw, sets["a"].folder][::1 if direction == "raw to prepared" else -1]
     (result,) = run_distributed(_switch_data, 1, str(tmp_path / "run"), *paths, torchrun_env=False)

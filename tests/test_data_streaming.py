@@ -134,7 +134,7 @@ def _stream_runs(folder: str, corpus: str) -> dict:
 
 def test_a_training_resume_on_streaming_data_is_bitwise(tmp_path):
     from tests.checkpoint_utils import read_checkpoint, write_tiny_corpus
-    from tests.dist_utils import run_distributed
+    from engine.testing.processes import run_distributed
 
     corpus = write_tiny_corpus(str(tmp_path))  # 6 documents of ~150 tokens: step 2 ends inside the fourth
     (runs,) = run_distributed(_stream_runs, 1, str(tmp_path), corpus, torchrun_env=False)

@@ -152,7 +152,7 @@ def test_converted_deepseek_v3_trains_under_ep_tp_and_ep_x_fsdp_and_exports(hf_t
     training starts from the converted weights; steps 2-3 after clipped updates and bias steps); the
     layouts agree step by step; each layout's step-3 checkpoint has the loop's logits, and ep 2 ×
     fsdp 2's exports with to-hf and reloads in transformers with Quadra's logits and trained bias."""
-    from tests.dist_utils import run_distributed
+    from engine.testing.processes import run_distributed
     from tests.test_qwen3_convert import _stored
 
     hf_model, hf_dir, dcp_dir = _hf_model(), str(tmp_path / "hf"), str(tmp_path / "dcp")

@@ -23,7 +23,7 @@ import math
 
 import pytest
 
-from tests.dist_utils import run_distributed
+from engine.testing.processes import run_distributed
 from tests.test_document_mask_parity import corpus  # noqa: F401  (fixture: a corpus of short documents)
 from tests.training_utils import (COMPILED, MAX_NORM, LayoutRuns, assert_parity, base_args, clipping_sides,
                                   train_and_record)

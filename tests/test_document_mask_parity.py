@@ -13,7 +13,7 @@ import json
 import pytest
 
 from tests.checkpoint_utils import STEPS, STOP, assert_bitwise_equal, ckpt_args, copy_checkpoint, read_checkpoint, train_run
-from tests.dist_utils import run_distributed
+from engine.testing.processes import run_distributed
 from tests.test_context_parallel import LAYOUTS as CP_LAYOUTS
 from tests.test_data_parallel import LAYOUTS as DP_LAYOUTS
 from tests.test_expert_parallel import LAYOUTS as EP_LAYOUTS

@@ -13,7 +13,7 @@ import math
 import pytest
 
 from engine.data.eval_tasks import Example, score
-from tests.dist_utils import run_distributed
+from engine.testing.processes import run_distributed
 from tests.training_utils import SMALL_CORPUS, base_args, run_in_turn
 
 LAYOUTS = {

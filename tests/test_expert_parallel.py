@@ -15,7 +15,7 @@ import math
 
 import pytest
 
-from tests.dist_utils import run_distributed
+from engine.testing.processes import run_distributed
 from tests.training_utils import MOE_FLAVOR, assert_parity, base_args, train_and_record, train_layouts, with_compiled_twins
 
 pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from tests.checkpoint_utils import assert_bitwise_equal, read_checkpoint, write_tiny_corpus
-from tests.dist_utils import free_port
+from engine.testing.processes import free_port
 from tests.extras import require_extra
 from tests.test_launch import _finish, _launch
 from tests.training_utils import EPS, FLAVOR, LR, REPO, History, assert_parity, base_args

@@ -102,7 +102,7 @@ _train = train_to_end  # (tests/training_utils.py)
 def test_fingerprint_in_metrics_and_checkpoints_and_a_changed_one_on_resume(tmp_path):
     import json
 
-    from tests.dist_utils import run_distributed
+    from engine.testing.processes import run_distributed
     from tests.training_utils import base_args
 
     folder = tmp_path / "run"

@@ -42,7 +42,7 @@ import math
 import pytest
 
 from engine.parity.noise import REORDER, kernel_twin_env, history_floor, step_tolerances
-from tests.dist_utils import run_distributed
+from engine.testing.processes import run_distributed
 from tests.extras import require_extra
 from tests.test_reference_loop import SETTINGS, _plain_loop
 from tests.training_utils import base_args, run_in_turn, train_and_record

@@ -18,7 +18,7 @@ import torch
 
 from engine.train.loss import token_sum_loss
 from models.linear_cross_entropy import linear_cross_entropy_sum
-from tests.dist_utils import run_distributed
+from engine.testing.processes import run_distributed
 from tests.training_utils import base_args, train_and_record
 
 B, S, DIM, VOCAB = 2, 37, 16, 102

@@ -275,7 +275,7 @@ def test_converted_checkpoint_trains_under_fsdp_and_tp_and_exports(converted, hf
     from engine.config import load_config
     from engine.data.loader import build_dataloader
     from engine.data.tokenizer import Tokenizer
-    from tests.dist_utils import run_distributed
+    from engine.testing.processes import run_distributed
 
     _, dcp_dir, hf_model = converted[name]
     results = run_distributed(_train_from_converted, 2, str(tmp_path), dcp_dir, hf_tokenizer, timeout=300)

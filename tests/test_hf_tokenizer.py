@@ -93,7 +93,7 @@ def test_preflight_refuses_a_tokenizer_larger_than_the_model(tokenizer_json, tmp
 
 
 def test_trains_the_debug_model(tokenizer_json, tmp_path):
-    from tests.dist_utils import run_distributed
+    from engine.testing.processes import run_distributed
     from tests.test_tokenizer import _train_with_tokenizer
 
     argv = base_args(str(tmp_path / "run"), {"model.tokenizer_path": tokenizer_json, "training.steps": 2})

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tests.checkpoint_utils import train_run, write_tiny_corpus
-from tests.dist_utils import free_port, run_distributed
+from engine.testing.processes import free_port, run_distributed
 from tests.training_utils import FLAVOR, REPO
 
 pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from tests.dist_utils import run_distributed
+from engine.testing.processes import run_distributed
 from tests.extras import require_extra
 from tests.training_utils import SMALL_CORPUS, base_args
 

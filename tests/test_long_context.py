@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.dist_utils import run_distributed
+from engine.testing.processes import run_distributed
 from tests.training_utils import (FLAVOR, SEQ_LEN, assert_parity, base_args, clipping_sides, quadra_log_lines,
                                   train_and_record)
 

@@ -13,7 +13,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
+from engine.testing.processes import run_distributed
 
 STEPS = 3
 

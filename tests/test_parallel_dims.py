@@ -9,7 +9,7 @@ import pytest
 from engine.setup.model_builder import resolve_model_args
 from models.registry import get_model_spec
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
-from tests.dist_utils import run_distributed
+from engine.testing.processes import run_distributed
 
 
 def dims(world_size, dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1):

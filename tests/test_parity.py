@@ -15,7 +15,7 @@ import pytest
 from engine.parity.compare import (clipping_sides, engaging_max_norm, history_differences,
                                    parameter_differences, tolerance)
 from engine.parity.layouts import LayoutError, auto_layouts, parse_layout, fit_batch
-from tests.dist_utils import run_distributed
+from engine.testing.processes import run_distributed
 from tests.training_utils import MAX_NORM, REPO, base_args, train_to_end
 
 SCRIPT = os.path.join(REPO, "scripts", "parity.py")

@@ -14,7 +14,7 @@ from parallelisms.pipeline import (
     split_layers_evenly,
     stage_ids_for_rank,
 )
-from tests.dist_utils import run_distributed
+from engine.testing.processes import run_distributed
 from tests.training_utils import SMALL_CORPUS, LayoutRuns, assert_parity, base_args, train_and_record
 
 pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from tests.dist_utils import run_distributed
+from engine.testing.processes import run_distributed
 from tests.training_utils import base_args, train_and_record
 
 

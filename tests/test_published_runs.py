@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.dist_utils import run_distributed
+from engine.testing.processes import run_distributed
 from tests.training_utils import base_args, quadra_log_lines
 
 PALM_Z_LOSS = 1e-4  # Chowdhery et al. 2022, Sec. 5

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist_utils import run_distributed
+from engine.testing.processes import run_distributed
 from tests.training_utils import LayoutRuns, assert_parity, base_args, clipping_sides, train_and_record, with_compiled_twins
 
 pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)

@@ -14,7 +14,7 @@ import pytest
 
 from tests.checkpoint_utils import (assert_bitwise_equal, copy_checkpoint, read_checkpoint, train_run,
                                     write_tiny_corpus)
-from tests.dist_utils import free_port, run_distributed
+from engine.testing.processes import free_port, run_distributed
 from tests.test_launch import _curve, _finish, _launch, _newest_checkpoint
 from tests.training_utils import FLAVOR, REPO
 

@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from tests.dist_utils import run_distributed
+from engine.testing.processes import run_distributed
 from tests.training_utils import (
     EPS, FLAVOR, LR, MAX_NORM, PARITY_STEPS, REPO, SEQ_LEN, SMALL_CORPUS, assert_parity, base_args, clipping_sides,
     train_and_record,

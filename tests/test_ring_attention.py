@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from parallelisms.context_parallel import ContextParallelError, cp_positions, validate_context_parallel
-from tests.dist_utils import run_distributed
+from engine.testing.processes import run_distributed
 
 
 def test_head_tail_positions():

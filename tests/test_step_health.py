@@ -1,7 +1,7 @@
 """Step health (engine/train/step_health.py): non-finite and spiking steps are skipped or stop the run,
 the same way on every layout, with the decision state checkpointed, a record and a capsule per step.
 
-Non-finite gradients and spikes are injected by the test-only hook of tests/step_health_utils.py.
+Non-finite gradients and spikes are injected by the hook of engine/testing/faults.py.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import pytest
 
 from engine.config import ConfigError, load_config
 from engine.train.step_health import StepHealth
-from tests.dist_utils import run_distributed
-from tests.step_health_utils import bitwise_differences, inject, state_snapshot, train_injected
+from engine.testing.processes import run_distributed
+from engine.testing.faults import inject
+from tests.step_health_utils import bitwise_differences, state_snapshot, train_injected
 from tests.training_utils import PARITY_STEPS, base_args
 
 

@@ -15,7 +15,7 @@ import math
 import pytest
 
 from engine.parity.compare import tolerance
-from tests.dist_utils import run_distributed
+from engine.testing.processes import run_distributed
 from tests.training_utils import assert_parity, base_args, train_and_record
 
 TP2, TP4 = {"parallelism.tp": 2, "parallelism.dp_shard": 1}, {"parallelism.tp": 4, "parallelism.dp_shard": 1}

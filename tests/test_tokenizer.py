@@ -156,7 +156,7 @@ def _train_with_tokenizer(argv):
 def test_a_trained_tokenizer_trains_the_model_across_processes(tmp_path):
     """scripts/train_tokenizer.py on the bundled corpus, then FSDP over 2 ranks with that tokenizer:
     the data is its ids (the flavor's 4096 embedding rows hold its 512) and both ranks agree."""
-    from tests.dist_utils import run_distributed
+    from engine.testing.processes import run_distributed
     from tests.training_utils import SMALL_CORPUS, base_args
 
     path = train_tokenizer_main(["--data_path", SMALL_CORPUS, "--vocab_size", "512",

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tests.dist_utils import run_distributed
+from engine.testing.processes import run_distributed
 from tests.training_utils import SMALL_CORPUS, base_args, run_in_turn, train_and_record
 
 pytestmark = pytest.mark.slow  # multi-process training (see pyproject.toml)

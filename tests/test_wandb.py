@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.dist_utils import run_distributed
+from engine.testing.processes import run_distributed
 from tests.extras import require_extra
 from tests.test_launch import _finish, _launch
 from tests.training_utils import REPO, base_args, train_to_end

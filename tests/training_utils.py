@@ -285,7 +285,7 @@ class LayoutRuns:
         self._cache: dict[int, list[dict]] = {}
 
     def history(self, name: str) -> list[list[tuple[float, float]]]:
-        from tests.dist_utils import run_distributed
+        from engine.testing.processes import run_distributed
 
         world_size, _ = self.layouts[name]
         if world_size not in self._cache:

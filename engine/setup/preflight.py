@@ -147,14 +147,8 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
                                         p.pp)
     if cfg.loss.mtp_weight > 0:
         _check_mtp_weight(cfg.loss.mtp_weight, spec, args, label)
-    if cfg.optimizer.param_groups and spec.param_shapes is not None:  # a rule matching nothing is a typo
-        from engine.config.param_groups import group_key, parse_rules, refuse_unmatched
-
-        shapes = spec.get("param_shapes")(args)
-        rules = parse_rules(list(cfg.optimizer.param_groups), cfg.optimizer.name)
-        refuse_unmatched([s.name for s in shapes], rules)
-        for s in shapes:  # optimizer=muon on a vector
-            group_key(s.name, len(s.shape), rules, cfg.optimizer.name)
+    if cfg.optimizer.param_groups and spec.param_shapes is not None:
+        _check_param_groups(cfg.optimizer, spec, args)
     _check_initial_load(cfg, base_args, label)
     if cfg.eval.enable:  # every task file is read and checked (the ranks tokenize them)
         from engine.data.eval_tasks import parse_task_specs, read_task
@@ -307,6 +301,19 @@ def _check_local_data(cfg, tokenizer) -> None:
             raise FileNotFoundError(
                 f"{setting}={path!r} does not exist, though ./{top} is a local folder (run_train.sh reads relative "
                 f"paths from the repo root): fix the path, or give a hub dataset whose owner is not a local folder")
+
+
+def _check_param_groups(optimizer_cfg, spec, args) -> None:
+    """``optimizer.param_groups`` against the model's parameter names and shapes: a rule that matches
+    no parameter (a typo) and ``optimizer=muon`` on a vector are refused in one line
+    (engine/config/param_groups.py)."""
+    from engine.config.param_groups import group_key, parse_rules, refuse_unmatched
+
+    shapes = spec.get("param_shapes")(args)
+    rules = parse_rules(list(optimizer_cfg.param_groups), optimizer_cfg.name)
+    refuse_unmatched([s.name for s in shapes], rules)
+    for s in shapes:
+        group_key(s.name, len(s.shape), rules, optimizer_cfg.name)
 
 
 def _check_checkpoint_folder(cfg) -> None:

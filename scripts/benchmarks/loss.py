@@ -26,7 +26,7 @@ def engine_overrides(chunk_tokens: int) -> dict:
 def loss_phase_peak_bytes(chunk_tokens: int, dim: int = 256, tokens: int = SEQ_LEN, vocab: int = VOCAB) -> int:
     """Peak bytes the loss phase allocates (forward + backward; ``chunk_tokens`` 0: unfused), fp32.
 
-    Runs in the calling process; call it in a fresh one per variant (tests/dist_utils.py).
+    Runs in the calling process; call it in a fresh one per variant (engine/testing/processes.py).
     """
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker

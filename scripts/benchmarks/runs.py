@@ -3,10 +3,13 @@ collectives and per-rank state bytes, and the bare PyTorch loop the engine is co
 
 from __future__ import annotations
 
+import os
 import resource
 import time
 
-from tests.training_utils import SMALL_CORPUS
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the bundled corpus's 0.2 MB validation split (as the tests train on): fast to tokenize, real text
+SMALL_CORPUS = os.path.join(REPO, "assets", "data", "shakespeare", "validation.jsonl")
 
 
 def engine_args(folder: str, overrides: dict, *, seq_len: int, local_batch_size: int) -> list[str]:
@@ -93,7 +96,7 @@ def timed_engine_run(argv: list[str], steps: int, warmup: int, count_comm: bool 
         if state_bytes:
             out["state"] = _state_bytes(trainer)
         if activation_peak:
-            from tests.planner_runs import peak_tracker
+            from engine.testing.memory import peak_tracker
 
             with peak_tracker(trainer) as tracker:
                 trainer.train_step()

@@ -54,7 +54,7 @@ def main() -> None:
 
     from engine.config import load_config
     from engine.train.trainer import Trainer
-    from tests.step_health_utils import inject
+    from engine.testing.faults import inject
 
     folder = tempfile.mkdtemp(prefix="step_health_cost_")
     base = ["--job.config_file", os.path.join(REPO, "train_configs", "debug_model.toml"), "--job.print_config", "false",
