@@ -36,7 +36,7 @@ _F8_RUN = ("trains", "100 steps of the float8 benchmark's model (float8 casts ar
 
 
 def _seed(name: str, path: str, *extra: str) -> str:
-    """The README's continue-pretraining command from an imported checkpoint under outputs/<path>."""
+    """engine/docs/hugging-face.md's continue-pretraining command from an imported checkpoint under outputs/<path>."""
     return " ".join([f"./run_train.sh --checkpoint.initial_load_path outputs/{path}/seed --model.args_path "
                      f"outputs/{path}/seed", *([f"--model.name {name}"] if name else []),
                      f"--model.tokenizer_path outputs/{path}/seed/tokenizer.json --job.dump_folder outputs/{path}/run",
@@ -75,13 +75,13 @@ LISTED: dict[str, tuple[str, str]] = {
     "--job.dump_folder /tmp/stress/$STRESS_RUN --training.steps 10 --parallelism.dp_replicate 1 --parallelism.tp 2'": (
         "minutes", "20 runs of a 10-step tp2 training under glibc's heap checks, for up to 1800 s"),
     "grep -E '\"kind\": \"(attempt|goodput)\"' /tmp/rec/run/metrics.jsonl": (
-        "after", "reads the ledger of the README's 12-step restart run in /tmp/rec/run, described but not given; "
+        "after", "reads the ledger of engine/docs/metrics.md's 12-step restart run in /tmp/rec/run, described but not given; "
                  "the ledger: tests/test_recovery.py::test_a_killed_rank_then_a_hang_are_restarted_and_the_run_ends_"
                  "as_if_never_stopped"),
     "NGPU=2 MAX_RESTARTS=1 QUADRA_TEST_FAULT=kill:0:4:1,rejoin:0:8:0 ./run_train.sh --model.flavor debugmodel_tiny "
     "--training.steps 12 --metrics.log_freq 1 --validation.enable false --fault_tolerance.enable true "
     "--fault_tolerance.group_size 2": (
-        "trains", "12 steps in 2 torchft groups with a kill and a restart: 47 s of wall in the README's run, past "
+        "trains", "12 steps in 2 torchft groups with a kill and a restart: 47 s of wall in engine/docs/fault-tolerance.md's run, past "
                   "this file's budget; tests/test_fault_tolerance.py::test_a_killed_group_heals_from_the_live_one_"
                   "which_never_stops"),
     "PYTHONPATH=. python scripts/benchmarks/muon_lr.py --out /tmp/muon_lr": (
@@ -97,21 +97,21 @@ LISTED: dict[str, tuple[str, str]] = {
     "./scripts/prepare_data.py HuggingFaceFW/fineweb-edu outputs/data/fineweb --split train "
     "--tokenizer path/to/tokenizer.json --num_proc 16": ("network", "FineWeb-Edu from the hub, and a user's tokenizer"),
     "./run_train.sh --document_mask.enable true --training.steps 20 --job.dump_folder outputs/document_mask": (
-        "trains", "20 steps and a validation on 2 processes, as the 20-step line of Running (99 s here); shorter: "
+        "trains", "20 steps and a validation on 2 processes, as the 20-step line of engine/docs/running.md (99 s here); shorter: "
                   "tests/test_document_mask_parity.py::test_document_mask_parity_with_one_process"),
     _DSV3 + " NGPU=4 ./run_train.sh --parallelism.ep 2 --parallelism.tp 2": (
         "trains", "100 steps of the DeepSeek-V3 debug model on 4 processes; shorter: "
                   "tests/test_deepseek_v3_parallel.py::test_deepseek_v3_fp64_parity_with_one_process"),
     "WANDB_MODE=offline ./run_train.sh --job.dump_folder outputs/debug_eval --eval.enable true "
     "--eval.tasks outputs/eval/shakespeare_cloze.jsonl --eval.freq 50 --metrics.enable_wandb true": (
-        "trains", "100 steps and two evaluations of 200 questions: 1293 s in the README's run; shorter: "
+        "trains", "100 steps and two evaluations of 200 questions: 1293 s in engine/docs/evaluation.md's run; shorter: "
                   "tests/test_downstream.py::test_a_layout_scores_like_one_process"),
     "python scripts/eval_task.py --include_path my_tasks --task my_arc --output outputs/eval/my_arc.jsonl": (
         "user", "the user's task yaml and ARC-Easy file (not bundled); the conversion: tests/test_lm_eval_oracle.py::"
                 "test_lm_eval_scores_the_exported_checkpoint_like_the_in_loop_evaluation"),
     "./run_train.sh --training.steps 20 --step_health.on_nonfinite skip --step_health.loss_spike_sigma 6 "
     "--step_health.grad_norm_spike_sigma 6": (
-        "trains", "20 steps and a validation on 2 processes, as the 20-step line of Running (99 s here); shorter: "
+        "trains", "20 steps and a validation on 2 processes, as the 20-step line of engine/docs/running.md (99 s here); shorter: "
                   "tests/test_step_health.py::test_skip_records_reach_metrics_jsonl_and_tensorboard"),
     "./scripts/parity.py --replay outputs/my_run --step 3 --layouts fsdp2": (
         "user", "replays the user's run outputs/my_run; tests/test_parity.py::test_replay_resumes_the_newest_"
@@ -155,7 +155,7 @@ LISTED: dict[str, tuple[str, str]] = {
         "after", "step 1000 of the DeepSeek-V3 run above; tests/test_deepseek_v3_hf_training.py::"
                  "test_converted_deepseek_v3_trains_under_ep_tp_and_ep_x_fsdp_and_exports"),
     "./scripts/parity.py": (
-        "minutes", "27 layouts, 29 runs of 5 steps: 1200 s in the README's run; "
+        "minutes", "27 layouts, 29 runs of 5 steps: 1200 s in engine/docs/parity.md's run; "
                    "tests/test_parity.py::test_parity_sweep_passes_and_reports"),
     "./scripts/parity.py --config my.toml --layouts \"fsdp2,tp2,pp2:1F1B,cp2,tp2xpp2\" --steps 5": (
         "user", "the user's my.toml; tests/test_parity.py::test_parity_sweep_passes_and_reports"),
@@ -163,17 +163,17 @@ LISTED: dict[str, tuple[str, str]] = {
         "minutes", "27 layouts of the debug model in float64 (the tiny model's took 1967 s); "
                    "tests/test_parity.py::test_float64_sweep_matches_to_1e12"),
     "./scripts/parity.py --layouts tp2,cp2 --locate": (
-        "minutes", "a 25 s reference (idle machine, README) and 2 layouts of the debug model, each recorded again; "
+        "minutes", "a 25 s reference (idle machine, engine/docs/parity.md) and 2 layouts of the debug model, each recorded again; "
                    "tests/test_parity_locate.py::test_locate_names_the_module_of_a_defect_in_one_layout"),
     "./scripts/parity.py --layouts fsdp2,tp2,fsdp2xtp2 --float8.enable true": (
-        "minutes", "the reference, its twins and 3 float8 layouts: 69 + 87 + 85 s of layouts in the README's run; "
+        "minutes", "the reference, its twins and 3 float8 layouts: 69 + 87 + 85 s of layouts in engine/docs/parity.md's run; "
                    "tests/test_parity_noise.py::test_float8_layout_passes_against_the_noise_floor"),
     "./scripts/parity.py --precision fp64 " + _TINY_PARITY: (
-        "minutes", "27 layouts in float64: 1967 s in the README's run; "
+        "minutes", "27 layouts in float64: 1967 s in engine/docs/parity.md's run; "
                    "tests/test_parity.py::test_float64_sweep_matches_to_1e12"),
     f"PYTHONPATH=tests/parity_defects QUADRA_TEST_DEFECT={_DEFECTS} ./scripts/parity.py --locate --layouts "
     "tp2,cp2,ep2,fsdp2 --steps 1 --keep_max_norm --model.name moe " + _TINY_PARITY: (
-        "minutes", "a reference and 4 layouts, each located: 54 s in the README's run, more on a busy machine (this "
+        "minutes", "a reference and 4 layouts, each located: 54 s in engine/docs/parity.md's run, more on a busy machine (this "
                    "file's budget is 90 s); tests/test_parity_locate.py::test_locate_names_the_module_of_a_defect_in_"
                    "one_layout"),
 }
@@ -181,6 +181,6 @@ LISTED: dict[str, tuple[str, str]] = {
 # TOML blocks another test loads as written, by their sorted dotted keys.
 TOML_ELSEWHERE = {
     "optimizer.name optimizer.param_groups": (
-        "tests/test_muon.py::test_the_readme_parameter_group_example_passes_the_preflight_as_written runs the "
+        "tests/test_muon.py::test_the_docs_parameter_group_example_passes_the_preflight_as_written runs the "
         "pre-flight on it (every rule must match a parameter of debug_moe.toml)"),
 }

@@ -254,8 +254,8 @@ def test_bad_muon_and_z_loss_settings_are_refused_in_one_line(overrides, words):
 
 
 
-def test_the_readme_parameter_group_example_passes_the_preflight_as_written():
-    """README's ``param_groups`` TOML block, as written, on the MoE config it names: every rule matches
+def test_the_docs_parameter_group_example_passes_the_preflight_as_written():
+    """engine/docs/optimizers.md's ``param_groups`` TOML block, as written, on the MoE config it names: every rule matches
     a parameter (its expert rule once named ``layers.*.moe.experts.*``, which no family has, and the
     pre-flight refused the example)."""
     import os
@@ -270,9 +270,9 @@ def test_the_readme_parameter_group_example_passes_the_preflight_as_written():
     from engine.setup.preflight import check_setup
     from tests.training_utils import REPO
 
-    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+    with open(os.path.join(REPO, "engine", "docs", "optimizers.md"), encoding="utf-8") as f:
         blocks = [b for b in re.findall(r"```toml\n(.*?)```", f.read(), flags=re.S) if "param_groups" in b]
-    assert blocks, "README has no param_groups example"
+    assert blocks, "engine/docs/optimizers.md has no param_groups example"
     for block in blocks:
         section = tomllib.loads(block)["optimizer"]
         cfg = load_config(["--job.config_file", os.path.join(REPO, "train_configs", "debug_moe.toml"),
