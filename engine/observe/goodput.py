@@ -59,6 +59,7 @@ class AttemptLedger:
 
     def __init__(self, state_dir: str | None, attempt: int, launch_time: float, resumed_from: int, clock=time.time):
         self.state_dir, self.clock = state_dir, clock
+        # (the "if state_dir" only spares a call: read_attempts(None) is [] too)
         earlier = [a for a in read_attempts(state_dir) if a["attempt"] < attempt] if state_dir else []
         # Steps up to the newest an earlier attempt reached are trained again.
         self.high_water = max([a.get("last_step", 0) for a in earlier] + [resumed_from])
@@ -91,7 +92,7 @@ class AttemptLedger:
 
     def evaluation(self, seconds: float) -> None:
         """The loop spent ``seconds`` evaluating (validation, downstream tasks) between steps."""
-        self.record["evaluation_s"] = self.record.get("evaluation_s", 0.0) + seconds
+        self.record["evaluation_s"] += seconds
 
     def save(self) -> None:
         """Rewrite ``attempt-K.json`` (atomic); no-op without a state folder."""
@@ -110,6 +111,7 @@ def read_attempts(state_dir: str | None) -> list[dict]:
         return []
     found = []
     for name in os.listdir(state_dir):
+        # (any non-digit string would do for "": it only has to fail isdigit)
         stem = name[len("attempt-"):-len(".json")] if name.startswith("attempt-") and name.endswith(".json") else ""
         if stem.isdigit():
             record = _read(os.path.join(state_dir, name))
@@ -128,6 +130,7 @@ def ledger(state_dir: str | None, attempts: list[dict], launch_time: float, end_
     for a in attempts:
         k = a["attempt"]
         finish = _read(os.path.join(state_dir, f"attempt-{k}.end.json")) if state_dir else None
+        # (k > 0 or k >= 0 alike: the agent writes restart-K.json for K >= 1 only, engine/launch/elastic.py)
         restart = _read(os.path.join(state_dir, f"restart-{k}.json")) if state_dir and k > 0 else None
         first = a.get("first_step_at")
         ended = finish["failed_at"] if finish else end_time
@@ -168,6 +171,7 @@ def append_failed_launch(state_dir: str, run_folder: str, launch_time: float) ->
     if not attempts or not os.path.isdir(run_folder):
         return
     records, summary = ledger(state_dir, attempts, launch_time, time.time(), end="failed")
+    # (the encoding does not matter: json.dumps writes ASCII, ensure_ascii being its default)
     with open(os.path.join(run_folder, "metrics.jsonl"), "a", encoding="utf-8") as f:
         for record in records:
             f.write(json.dumps({"kind": "attempt", **record}) + "\n")
