@@ -4,7 +4,8 @@ the config before torch is loaded).
 
 Modules: ``schema`` (sections, their keys, defaults and docs), ``loading`` (:class:`JobConfig`,
 :func:`load_config`, ``--help``), ``validation`` (what the config alone can refuse or warn about),
-``toml_format`` (values as TOML and command-line text). ``python -m engine.config [--section.key v ...]``
+``toml_format`` (values as TOML and command-line text), ``reference`` (every key as the markdown of
+engine/docs/configuration.md). ``python -m engine.config [--section.key v ...]``
 prints the merged config or the one-line error (exit 2).
 """
 
