@@ -71,7 +71,7 @@ def _plan(out: str, scratch: str) -> None:
     with open(os.path.join(scratch, "plan.json"), encoding="utf-8") as f:
         layouts = json.load(f)["layouts"]
     assert f"wrote {len(layouts)} layouts to plan.json" in out and "decision matrix: row" in out, out[-3000:]
-    # The README's description of the JSON, per layout.
+    # engine/docs/choosing-a-layout.md's description of the JSON, per layout.
     keys = {"degrees", "memory_bytes_per_rank", "comm_bytes_per_step_per_rank", "bubble", "step_time_s", "mfu", "fits"}
     memory = {"params", "grads", "optimizer", "activations", "transient", "reduction", "peak_nonstate", "total"}
     assert layouts and all(keys <= set(layout) and memory <= set(layout["memory_bytes_per_rank"])
@@ -85,7 +85,7 @@ def _prepared(out: str, scratch: str) -> None:
     assert printed, out[-3000:]
     numbers = [int(n.replace(",", "")) for n in printed.groups()]
     assert numbers == [manifest["num_tokens"], manifest["num_documents"]], (numbers, manifest)
-    # "the bundled 1.46M-token train.jsonl" (README, Pretraining data)
+    # "the bundled 1.46M-token train.jsonl" (engine/docs/data.md)
     assert round(manifest["num_tokens"] / 1e6, 2) == 1.46, manifest["num_tokens"]
 
 
@@ -113,7 +113,7 @@ DSV3_671B = ("CONFIG_FILE=train_configs/debug_deepseek_v3.toml NGPU=8 NNODES=64 
 # The commands that run here, keyed as tests/doc_blocks.py's command_key writes them, in page order.
 RUN = {
     "./run_train.sh --help": Run(_help),
-    # README's table of the presets' planned rows: llama3_405b totals 24.7 GiB per rank.
+    # engine/docs/choosing-a-layout.md's table of the presets' planned rows: llama3_405b totals 24.7 GiB per rank.
     "CONFIG_FILE=train_configs/llama3_405b.toml NGPU=8 NNODES=64 ./run_train.sh --dry_run": Run(_dry_run(
         "512 ranks", "planner formulas vs real plan (rank 0): equal", "dry run: fits: 24.7 GiB per rank"), slow=True),
     PREPARE: Run(_prepared, slow=True),

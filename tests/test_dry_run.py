@@ -1,5 +1,5 @@
 """``./run_train.sh --dry_run`` (engine/launch/dry_run.py through engine/launch/launcher.py): bad layouts fail with one
-line; a layout that does not fit exits 1 with a hint. The README's dry runs (405B on 512 ranks building its real plan
+line; a layout that does not fit exits 1 with a hint. The docs' dry runs (engine/docs/choosing-a-layout.md and models.md: 405B on 512 ranks building its real plan
 in one process without a GPU, the DeepSeek-V3 671B and Llama 3 8B layouts) run as written in
 tests/test_doc_commands.py."""
 

@@ -124,7 +124,7 @@ SPECS: dict[str, Spec] = {
     # the same step's sums over sequences in another order: the noise floor's perturbation (engine/parity/noise.py)
     "data.sequence_order_seed": Spec({"data.sequence_order_seed": 1}),
     # float32 against float64 Newton-Schulz: the default bfloat16 iteration rounds beyond the fp32
-    # tolerance (README, Optimizers), as bfloat16 mixed precision does.
+    # tolerance (engine/docs/optimizers.md), as bfloat16 mixed precision does.
     "optimizer.muon_ns_dtype": Spec({"optimizer.muon_ns_dtype": "float64"}, {**MUON, "optimizer.muon_ns_dtype": "float32"}),
     # execution, one process
     "job.config_file": Spec({"job.config_file": f"{F}/description.toml"}),

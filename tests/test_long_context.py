@@ -104,7 +104,7 @@ def _extend(argv):
 
 @pytest.mark.slow
 def test_context_extension_resumes_weights_and_optimizer_at_twice_the_length(tmp_path):
-    """The README's context-extension command: a run at seq_len 16 saves step 2; a new run at seq_len
+    """engine/docs/long-context.md's context-extension command: a run at seq_len 16 saves step 2; a new run at seq_len
     32 starts from it with its optimizer state (Adam's step count 2), the step count and LR schedule
     restarted, and the data continued after the 2 x 8 x 16 = 256 tokens read (window 8 of 32 tokens);
     one line says so; it trains. The phase runs on 2 ranks (FSDP2) where the first ran on one: a

@@ -1,6 +1,6 @@
 """optimizer.muon_lr (issue #48): Muon's matrices train at their own lr, the AdamW part of a Muon run at
 optimizer.lr, and AdamW runs keep their param groups, schedule and fingerprint. The defaults are the
-measured ones of the README's Optimizers section (scripts/benchmarks/muon_lr.py)."""
+measured ones of engine/docs/optimizers.md (scripts/benchmarks/muon_lr.py)."""
 
 from __future__ import annotations
 

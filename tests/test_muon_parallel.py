@@ -185,7 +185,7 @@ def test_muon_and_z_loss_float64_layouts_match_one_process_to_1e12(tmp_path):
 def test_muon_float32_fsdp2_equals_one_process_with_clipping(tmp_path):
     """The fp32 parity of a Muon layout with clipping engaged on every step (max_norm 0.405 under the
     Muon run's grad norms 0.51-0.54), float32 Newton-Schulz (a bfloat16 one lets fp32 rounding
-    differences flip bfloat16 roundings, see README's Optimizers): fsdp2 equals one process at the
+    differences flip bfloat16 roundings, see engine/docs/optimizers.md): fsdp2 equals one process at the
     fp32 standard (tests/training_utils.py ``assert_parity``: loss, grad norm, validation). In forked
     ranks (the launcher's path is the fp64 sweep's above)."""
     from tests.training_utils import MAX_NORM, assert_parity, base_args, clipping_sides, train_and_record

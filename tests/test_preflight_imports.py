@@ -104,7 +104,7 @@ def test_the_preflight_imports_no_torch_whatever_the_config_turns_on():
     data, ``initial_load_path``, pipeline plans) cannot hide a torch import from a config that
     leaves it off (the runtime check in tests/test_preflight.py sees one config's path only)."""
     found = [line for entry in PREFLIGHT_ENTRIES for line in preflight_heavy_imports(entry)]
-    assert not found, "the pre-flight must import no torch (README: 'the checks import no torch'):\n" + "\n".join(found)
+    assert not found, "the pre-flight must import no torch (engine/docs/running.md: 'the checks import no torch'):\n" + "\n".join(found)
 
 
 def test_preflight_import_check_catches(tmp_path, monkeypatch):

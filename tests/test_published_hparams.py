@@ -177,7 +177,7 @@ def test_published_mtp_depth_one_objective_is_the_papers_per_token_formula(depth
 
 
 def test_goodput_ledger_over_three_attempts_equals_a_hand_count(tmp_path):
-    """engine/observe/goodput.py across two restarts (the README's ledger, Llama 3 §3.3.4's "effective
+    """engine/observe/goodput.py across two restarts (engine/docs/metrics.md's ledger, Llama 3 §3.3.4's "effective
     training time"): checkpoints every 4 steps, 2 s steps in attempt 0, 3 s in 1, 1 s in 2.
 
     attempt 0: launch at 0, first step at 10; steps 1-7 (productive 14 s), save at step 4 (1.5 s);

@@ -1,7 +1,7 @@
 """Training-run recipes at published ratios, against a hand count or a formula from the logits: a new
 phase from a checkpoint at DeepSeek-V3's first context extension ratio (4K -> 32K: 8x) where the
 tokens read do not fill a whole window of the new length, and validation with PaLM's z-loss weight
-on (the README: "validation reports the cross entropy alone"), one process and a pipeline.
+on (engine/docs/optimizers.md: "validation reports the cross entropy alone"), one process and a pipeline.
 Unit-level recipes (routing, YaRN, MTP, the goodput ledger): tests/test_published_hparams.py."""
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def one_process_validation(tmp_path_factory):
 
 @pytest.mark.parametrize("loss", ["unfused", "fused"])
 def test_validation_with_the_z_loss_on_reports_the_cross_entropy_alone(one_process_validation, loss):
-    """README ("validation reports the cross entropy alone"): the validation loss equals the mean
+    """engine/docs/optimizers.md ("validation reports the cross entropy alone"): the validation loss equals the mean
     token cross entropy from the logits (fp64 formula, 1e-5), not CE + weight · logsumexp², which
     is 8e-4 of it at PaLM's weight, and validation adds nothing to the step's logged z-loss."""
     got, left, (ce, z) = one_process_validation

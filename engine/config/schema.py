@@ -162,7 +162,7 @@ class OptimizerSection:
                                choices=("auto", "fused", "foreach", "for-loop"))
     # Muon's defaults: momentum, Nesterov, steps and coefficients from Keller Jordan's Muon post (as
     # torch.optim.Muon's); the lr adjustment from Moonlight (Liu et al. 2025, Sec. 2.2).
-    # Measured on the debug model (README, Optimizers; scripts/benchmarks/muon_lr.py): Muon's matrices
+    # Measured on the debug model (engine/docs/optimizers.md; scripts/benchmarks/muon_lr.py): Muon's matrices
     # train best at ~25x AdamW's lr, so they get their own lr (Jordan et al. 2024 and Moonlight do too).
     muon_lr: float = _opt(2e-2, "Muon: peak lr of the Muon-updated matrices, scaled per matrix by muon_adjust_lr "
                           "(optimizer.lr stays the AdamW part's: embedding, head, norms)")

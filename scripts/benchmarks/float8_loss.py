@@ -10,7 +10,7 @@ float8: its dims are multiples of 16; the output head float32) from the same wei
 batches: float32, float8 tensorwise and float8 rowwise (torchao, parallelisms/float8.py), at sequence
 length 64 to keep a run within minutes on a CPU (float8 casts and ``_scaled_mm`` are slow there). Prints each run's loss at a few steps and the band:
 the largest relative difference of float8's loss from float32's over all steps, and over the last 10
-steps' mean. The README's float8 section quotes its output.
+steps' mean. engine/docs/float8.md quotes its output.
 """
 
 from __future__ import annotations

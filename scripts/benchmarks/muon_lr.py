@@ -12,7 +12,7 @@ the AdamW part of a Muon run (embedding, head, norms) at the default ``optimizer
 Newton-Schulz runs in float32 (``--ns-dtype``): bfloat16 matmuls are ~20x slower on CPUs without
 native bfloat16. Each run is its own folder under ``--out``: ``--only`` trains one (several
 processes can share the folder, a finished run is skipped; ``--stop-after N`` trains the first N steps
-of the same schedule), ``--report`` prints the README's table
+of the same schedule), ``--report`` prints engine/docs/optimizers.md's table
 (loss at steps 25/50/100 and the mean of the last 10 steps) from their metrics.jsonl without training.
 """
 
