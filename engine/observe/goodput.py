@@ -31,7 +31,9 @@ import os
 import time
 
 
-def _read(path: str) -> dict | None:
+def read_json_record(path: str) -> dict | None:
+    """The JSON object in ``path`` (a run's state record), or None when it is missing or unreadable:
+    a record another attempt was still writing, or never wrote, reads as absent."""
     try:
         with open(path) as f:
             return json.load(f)
@@ -63,7 +65,7 @@ class AttemptLedger:
         earlier = [a for a in read_attempts(state_dir) if a["attempt"] < attempt] if state_dir else []
         # Steps up to the newest an earlier attempt reached are trained again.
         self.high_water = max([a.get("last_step", 0) for a in earlier] + [resumed_from])
-        start = _read(os.path.join(state_dir, f"attempt-{attempt}.start.json")) if state_dir else None
+        start = read_json_record(os.path.join(state_dir, f"attempt-{attempt}.start.json")) if state_dir else None
         started_at = launch_time if attempt == 0 or start is None else start["started_at"]
         self.record = {"attempt": attempt, "started_at": started_at, "resumed_from": resumed_from,
                        "first_step_at": None, "last_step": resumed_from, "productive_steps": 0,
@@ -114,7 +116,7 @@ def read_attempts(state_dir: str | None) -> list[dict]:
         # (any non-digit string would do for "": it only has to fail isdigit)
         stem = name[len("attempt-"):-len(".json")] if name.startswith("attempt-") and name.endswith(".json") else ""
         if stem.isdigit():
-            record = _read(os.path.join(state_dir, name))
+            record = read_json_record(os.path.join(state_dir, name))
             if record:
                 found.append(record)
     return sorted(found, key=lambda a: a["attempt"])
@@ -129,9 +131,9 @@ def ledger(state_dir: str | None, attempts: list[dict], launch_time: float, end_
                            "recovery_s": 0.0, "retrained_steps": 0, "productive_steps": 0}
     for a in attempts:
         k = a["attempt"]
-        finish = _read(os.path.join(state_dir, f"attempt-{k}.end.json")) if state_dir else None
+        finish = read_json_record(os.path.join(state_dir, f"attempt-{k}.end.json")) if state_dir else None
         # (k > 0 or k >= 0 alike: the agent writes restart-K.json for K >= 1 only, engine/launch/elastic.py)
-        restart = _read(os.path.join(state_dir, f"restart-{k}.json")) if state_dir and k > 0 else None
+        restart = read_json_record(os.path.join(state_dir, f"restart-{k}.json")) if state_dir and k > 0 else None
         first = a.get("first_step_at")
         ended = finish["failed_at"] if finish else end_time
         record = {"step": a["resumed_from"], "attempt": k, "resumed_from": a["resumed_from"],

@@ -15,12 +15,11 @@ Environment (set by engine/launch/launcher.py): ``QUADRA_ERROR_DIR`` (the launch
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
 
-from engine.observe.goodput import AttemptLedger, ledger, read_attempts, summary_text
+from engine.observe.goodput import AttemptLedger, ledger, read_attempts, read_json_record, summary_text
 from engine.observe.hang import HangWatchdog, attempt_number, test_hook
 
 logger = logging.getLogger("quadra")
@@ -51,7 +50,7 @@ class RunRecovery:
 
     def _say_why(self) -> None:
         """The restart line and the layout line (rank 0)."""
-        restart = _read(os.path.join(self.state_dir, f"restart-{self.attempt}.json")) if self.state_dir else None
+        restart = read_json_record(os.path.join(self.state_dir, f"restart-{self.attempt}.json")) if self.state_dir else None
         step = self.trainer.step
         if restart is not None:
             resumed = f"resumed from checkpoint step-{step}" if step else "started again from step 0 (no checkpoint)"
@@ -135,14 +134,6 @@ class RunRecovery:
         for record in records:
             metrics.log_event("attempt", record)
         return summary_text(summary)
-
-
-def _read(path: str) -> dict | None:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 def layout_change(marker: dict, trainer) -> str | None:
