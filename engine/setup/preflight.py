@@ -12,9 +12,28 @@ setting gives one line in a fraction of a second.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass
+
+import models  # noqa: F401  (registers the built-in models; torch-free)
+from engine.checkpoint.files import CheckpointError, read_marker, scan, unwritable_folder_message
+from engine.checkpoint.selection import initial_load_problem
+from engine.config.param_groups import group_key, parse_rules, refuse_unmatched
+from engine.data.batch_sizes import resolve_batch_sizes
+from engine.data.eval_tasks import parse_task_specs, read_task
+from engine.data.prepared import is_prepared, open_checked, parse_mixture, tokenizer_identity
+from engine.data.sources import looks_like_local_path, resolve_local_files
+from engine.data.tokenizer import Tokenizer, require_bos
+from engine.observe.sinks import wandb_credentials_problem
+from models.registry import (args_from_record, first_args_difference, get_model_spec, list_model_names,
+                             long_context_warning, model_record, resolve_model)
+from parallelisms.checks import validate_context_parallel
+from parallelisms.float8_checks import validate_float8
+from parallelisms.parallel_dims import ParallelDims
+from parallelisms.pipeline_plan import V_SCHEDULES, plan_model_pipeline, stage_ids_for_rank
 
 logger = logging.getLogger("quadra")
 
@@ -78,10 +97,6 @@ def resolve_model_setup(cfg) -> ModelSetup:
     Raises:
         ValueError or FileNotFoundError: a bad tokenizer path or ``[model]`` setting, one line.
     """
-    import models  # noqa: F401  (registers the built-in models; torch-free)
-    from engine.data.tokenizer import Tokenizer
-    from models.registry import resolve_model
-
     tokenizer = Tokenizer(cfg.model.tokenizer_path)
     spec, args, base_args, label = resolve_model(cfg.model, seq_len=cfg.training.seq_len,
                                                  tokenizer_vocab_size=tokenizer.vocab_size)
@@ -110,14 +125,6 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
         PipelineConfigError, ExpertParallelError, Float8ConfigError) or FileNotFoundError: one line naming the setting,
         its value and the fix.
     """
-    from engine.data.batch_sizes import resolve_batch_sizes
-    import dataclasses
-
-    from models.registry import long_context_warning, model_record
-    from parallelisms.checks import validate_context_parallel
-    from parallelisms.parallel_dims import ParallelDims
-    from parallelisms.pipeline_plan import plan_model_pipeline
-
     p, t = cfg.parallelism, cfg.training
     _check_wandb(cfg)
     parallel_dims = ParallelDims.from_config(p, world_size)
@@ -127,11 +134,8 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
     tokenizer, vocab = model.tokenizer, model.tokenizer.vocab_size
     spec, args, base_args, label = model.spec, model.args, model.base_args, model.label
     if cfg.document_mask.enable or cfg.document_mask.restart_positions:
-        from engine.data.tokenizer import require_bos
-
         require_bos(tokenizer.bos_id)
     if cfg.float8.enable or cfg.float8.fsdp_all_gather:
-        from parallelisms.float8_checks import validate_float8
         validate_float8(cfg.float8, mixed_precision_param=t.mixed_precision_param,
                         dp_shard_degree=parallel_dims.dp_shard * parallel_dims.cp, tp_degree=parallel_dims.tp,
                         fused_loss=cfg.loss.chunk_tokens > 0, tied_embeddings=cfg.model.tie_embeddings)
@@ -151,8 +155,6 @@ def check_setup(cfg, world_size: int, device_type: str, *, check_data: bool = Tr
         _check_param_groups(cfg.optimizer, spec, args)
     _check_initial_load(cfg, base_args, label)
     if cfg.eval.enable:  # every task file is read and checked (the ranks tokenize them)
-        from engine.data.eval_tasks import parse_task_specs, read_task
-
         for name, path in parse_task_specs(list(cfg.eval.tasks)):
             read_task(name, path, cfg.eval.limit)
     if check_data:
@@ -190,15 +192,11 @@ def _check_wandb(cfg) -> None:
     Raises:
         ValueError: one line naming ``metrics.enable_wandb`` and the fix.
     """
-    import importlib.util
-
     if not cfg.metrics.enable_wandb:
         return
     if importlib.util.find_spec("wandb") is None:
         raise ValueError('metrics.enable_wandb = true needs the wandb package: pip install -e ".[wandb]" '
                          "(or set metrics.enable_wandb = false)")
-    from engine.observe.sinks import wandb_credentials_problem
-
     problem = wandb_credentials_problem()
     if problem:
         raise ValueError(problem)
@@ -212,8 +210,6 @@ def _check_mtp_weight(weight: float, spec, args, label: str) -> None:
         ValueError: one line naming the setting, its value, the model and the fix (the registry's
             flavors that have the modules).
     """
-    from models.registry import get_model_spec, list_model_names
-
     if spec.prediction_blocks is not None and spec.get("prediction_blocks")(args):
         return
     with_mtp = []
@@ -229,10 +225,6 @@ def _check_mtp_weight(weight: float, spec, args, label: str) -> None:
 
 def _plans_of_every_rank(plan, pp: int) -> tuple:
     """``plan`` (pp rank 0's) for each of the ``pp`` ranks: the same split, each rank's own stages."""
-    import dataclasses
-
-    from parallelisms.pipeline_plan import V_SCHEDULES, stage_ids_for_rank
-
     v_style = plan.schedule_name in V_SCHEDULES
     return tuple(dataclasses.replace(plan, local_stages=stage_ids_for_rank(r, pp, plan.num_stages, v_style))
                  for r in range(pp))
@@ -242,12 +234,6 @@ def _check_initial_load(cfg, args, label: str) -> None:
     """Refuse a ``checkpoint.initial_load_path`` that holds another architecture than ``[model]``
     builds, when its quadra.json says which (converted and newer checkpoints do; for others the
     ranks compare weight shapes when loading). Skipped when the run resumes its own checkpoint."""
-    import os
-
-    from engine.checkpoint.files import CheckpointError, read_marker, scan
-    from engine.checkpoint.selection import initial_load_problem
-    from models.registry import args_from_record, first_args_difference
-
     path = cfg.checkpoint.initial_load_path
     if not path or not cfg.checkpoint.enable or scan(os.path.join(cfg.run_folder, cfg.checkpoint.folder)).complete:
         return
@@ -278,9 +264,6 @@ def _check_initial_load(cfg, args, label: str) -> None:
 
 
 def _check_local_data(cfg, tokenizer) -> None:
-    from engine.data.prepared import is_prepared, open_checked, parse_mixture, tokenizer_identity
-    from engine.data.sources import looks_like_local_path, resolve_local_files
-
     mixture = parse_mixture(cfg.data.mixture)
     paths = [("data.mixture", path) for path, _ in mixture] or [("data.path", cfg.data.path)]
     if cfg.validation.enable and cfg.validation.path:
@@ -307,8 +290,6 @@ def _check_param_groups(optimizer_cfg, spec, args) -> None:
     """``optimizer.param_groups`` against the model's parameter names and shapes: a rule that matches
     no parameter (a typo) and ``optimizer=muon`` on a vector are refused in one line
     (engine/config/param_groups.py)."""
-    from engine.config.param_groups import group_key, parse_rules, refuse_unmatched
-
     shapes = spec.get("param_shapes")(args)
     rules = parse_rules(list(optimizer_cfg.param_groups), optimizer_cfg.name)
     refuse_unmatched([s.name for s in shapes], rules)
@@ -317,10 +298,6 @@ def _check_param_groups(optimizer_cfg, spec, args) -> None:
 
 
 def _check_checkpoint_folder(cfg) -> None:
-    import os
-
-    from engine.checkpoint.files import unwritable_folder_message
-
     if cfg.checkpoint.enable:
         problem = unwritable_folder_message(cfg.checkpoint.folder, os.path.join(cfg.run_folder, cfg.checkpoint.folder),
                                             keep=False)  # a dry run leaves no folders behind
