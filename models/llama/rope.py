@@ -34,6 +34,8 @@ def rope_frequencies(
     wavelen = 2 * math.pi / inv_freq
     smooth = (original / wavelen - low) / (high - low)
     blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    # Equivalent with >= / <= (mutation testing): on a band's edge the blend already equals that band's value
+    # (s = 0 gives f / factor, s = 1 gives f), and 2*pi / f never lands on an edge but for contrived floats.
     scaled = torch.where(wavelen > original / low, inv_freq / factor, blended)
     return torch.where(wavelen < original / high, inv_freq, scaled)
 
@@ -63,6 +65,7 @@ def yarn_frequencies(dim: int, base: float, factor: float, original: int, beta_f
     high = min(math.ceil(_correction_dim(beta_slow, dim, base, original)), dim - 1)
     if low == high:
         high += 0.001  # one-channel ramp (as the references)
+    # (dim / 2 for dim // 2 is equivalent for the even widths RoPE takes: arange(8.0) == arange(8))
     ramp = ((torch.arange(dim // 2, device=device, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp  # 1: extrapolate (unchanged frequency), 0: interpolate (frequency / s)
     return inv_freq / factor * (1 - keep) + inv_freq * keep
@@ -71,7 +74,7 @@ def yarn_frequencies(dim: int, base: float, factor: float, original: int, beta_f
 def yarn_attention_factor(factor: float) -> float:
     """YaRN's temperature on the cos/sin tables, sqrt(1/t) = 0.1·ln(s) + 1 (arXiv 2309.00071, eq. 22;
     1 for s <= 1), as transformers applies it when a config sets no ``attention_factor``."""
-    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0  # (>= 1 alike: ln 1 = 0 gives 1.0 exactly)
 
 
 def precompute_rope(
@@ -98,6 +101,7 @@ def precompute_rope(
         inv_freq = yarn_frequencies(head_dim, theta, factor, original, beta_fast, beta_slow, device=device)
     else:
         inv_freq = rope_frequencies(head_dim, theta, scaling, device=device)
+    # (an int64 arange would be equivalent: torch.outer promotes the exact integers to float64)
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float64)
     angles = torch.outer(positions, inv_freq)
     dtype = torch.promote_types(torch.get_default_dtype(), torch.float32)
@@ -116,8 +120,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     Returns:
         [B, S, H, head_dim] in the dtype of `x` (the rotation itself runs in float32).
     """
+    # The cast is equivalent to none while the tables are float32 or wider (the products promote to them): it
+    # keeps the rotation in float32 should a caller pass bf16 tables.
     pairs = x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2))  # [B, S, H, head_dim/2, 2]
     x0, x1 = pairs.unbind(-1)
+    # Equivalent variants (mutation testing): unsqueeze(2) is unsqueeze(-2) on a 3-D table, and a 2-D table
+    # [S, D/2] unsqueezed at -2 broadcasts as [1, S, 1, D/2], i.e. as the indexing below.
     cos = cos.unsqueeze(-2) if cos.dim() == 3 else cos[None, :, None, :]
     sin = sin.unsqueeze(-2) if sin.dim() == 3 else sin[None, :, None, :]
     rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
