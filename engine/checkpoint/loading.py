@@ -330,7 +330,8 @@ class LoadingMixin:
         which starts another run by design; its own ``checkpoint.initial_load_*`` keys are not named)."""
         changes = changed_settings(marker["config"], self.config_toml) if marker.get("config") else []
         if phase:  # a new run by design: its own folder and the keys that start it are no news
-            changes = [change for change in changes if not change.startswith(("checkpoint.initial_load", "job.dump_folder"))]
+            starts = ("checkpoint.initial_load", "job.dump_folder")
+            changes = [change for change in changes if not change.startswith(starts)]
         if changes:
             self._log_once("settings changed since the checkpoint (the new values apply): %s", "; ".join(changes))
         saved = marker.get("fingerprint")
@@ -340,7 +341,8 @@ class LoadingMixin:
         keys = convergence_changes(marker["config"], self.config_toml) if marker.get("config") else []
         if phase:
             keys = [change for change in keys if not change[0].startswith("checkpoint.initial_load")]
-        named = describe(keys) or "the resolved global batch size (training.global_batch_size = -1 under other dp degrees)"
+        named = describe(keys) or ("the resolved global batch size "
+                                   "(training.global_batch_size = -1 under other dp degrees)")
         self.fingerprint_change = {"from": saved, "to": self.fingerprint, "keys": [key for key, *_ in keys]}
         if phase:
             self._log_once("the new phase trains with another convergence fingerprint than the checkpoint's run "

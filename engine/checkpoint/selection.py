@@ -73,7 +73,8 @@ def plan_load(cfg, folder: str) -> LoadPlan | None:
                            "saves over them (a restart without load_step resumes from the newest)",
                            cfg.load_step, sorted(newer))
         path = steps[cfg.load_step]
-        return LoadPlan([_candidate(cfg.load_step, path)], f"checkpoint.load_step = {cfg.load_step}: checkpoint {path!r}",
+        return LoadPlan([_candidate(cfg.load_step, path)],
+                        f"checkpoint.load_step = {cfg.load_step}: checkpoint {path!r}",
                         "choose another step, or checkpoint.load_step = -1 to resume from the newest "
                         "checkpoint that verifies")
     if steps:
@@ -86,8 +87,8 @@ def plan_load(cfg, folder: str) -> LoadPlan | None:
         # A folder without quadra.json (written elsewhere) is not damaged: it has no manifest.
         # A full load of a weights-only folder fails in the manager with a clear message.
         marker = files.read_marker(path) or {"step": 0}
-        return LoadPlan([Candidate(path, int(marker.get("step", 0)), cfg.initial_load_model_only, marker, initial=True)],
-                        f"checkpoint.initial_load_path = {path!r}", "point it at another checkpoint")
+        candidate = Candidate(path, int(marker.get("step", 0)), cfg.initial_load_model_only, marker, initial=True)
+        return LoadPlan([candidate], f"checkpoint.initial_load_path = {path!r}", "point it at another checkpoint")
     logger.info("no checkpoint in %s: starting from step 0", folder)
     return None
 

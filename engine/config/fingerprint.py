@@ -38,8 +38,8 @@ _CLASSES: dict[str, dict[str, tuple[str, ...]]] = {
         "model": ("name", "flavor", "args_path", "tokenizer_path", "vocab_size", "tie_embeddings"),
         "data": ("path", "text_column", "split", "streaming", "shuffle", "mixture"),
         "training": ("steps", "global_batch_size", "seq_len", "max_norm", "seed"),
-        "optimizer": ("name", "lr", "beta1", "beta2", "eps", "weight_decay", "muon_lr", "muon_momentum", "muon_nesterov",
-                      "muon_ns_steps", "muon_ns_coefficients", "muon_adjust_lr", "param_groups"),
+        "optimizer": ("name", "lr", "beta1", "beta2", "eps", "weight_decay", "muon_lr", "muon_momentum",
+                      "muon_nesterov", "muon_ns_steps", "muon_ns_coefficients", "muon_adjust_lr", "param_groups"),
         "lr_scheduler": ("warmup_steps", "decay_type", "decay_ratio", "min_lr"),
         "checkpoint": ("initial_load_path", "initial_load_model_only", "initial_load_lr", "initial_load_data"),
         # Which updates are applied: a skipped step trains nothing, so the same data gives another model.
@@ -88,7 +88,8 @@ _CLASSES: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 KEY_CLASS: dict[str, str] = {
-    f"{section}.{key}": kind for kind, sections in _CLASSES.items() for section, keys in sections.items() for key in keys
+    f"{section}.{key}": kind
+    for kind, sections in _CLASSES.items() for section, keys in sections.items() for key in keys
 }
 
 

@@ -134,7 +134,8 @@ class TrainingSection:
 
 @dataclass
 class StepHealthSection:
-    """``[step_health]``: what a step with a non-finite or spiking loss / gradient norm does (engine/train/step_health.py)."""
+    """``[step_health]``: what a step with a non-finite or spiking loss / gradient norm does
+    (engine/train/step_health.py)."""
 
     on_nonfinite: str = _opt("stop", "a non-finite loss or gradient norm: stop (exit 1 naming the step) or skip "
                                      "the update (batch consumed, LR schedule advances)", choices=("stop", "skip"))
@@ -177,7 +178,8 @@ class OptimizerSection:
     muon_ns_dtype: str = _opt("bfloat16", "Muon: dtype of the Newton-Schulz iteration (bfloat16 as torch.optim.Muon; "
                               "float64 for the float64 reference mode)", choices=("bfloat16", "float32", "float64"))
     param_groups: list[str] = _opt([], 'rules "PATTERN [lr_mult=F] [weight_decay=F] [optimizer=muon|adamw]", '
-                                   "first match wins, PATTERN an fnmatch over parameter names (engine/config/param_groups.py)")
+                                   "first match wins, PATTERN an fnmatch over parameter names "
+                                   "(engine/config/param_groups.py)")
 
 
 @dataclass
@@ -296,7 +298,8 @@ class ActivationCheckpointSection:
 
 @dataclass
 class ProfilingSection:
-    """``[profiling]``: torch.profiler traces of chosen steps and CUDA memory snapshots (engine/observe/profiling.py)."""
+    """``[profiling]``: torch.profiler traces of chosen steps and CUDA memory snapshots
+    (engine/observe/profiling.py)."""
 
     enable: bool = _opt(False, "trace steps start_step .. start_step + num_steps - 1 with torch.profiler")
     start_step: int = _opt(3, "first traced step (1-based; later than 1 keeps start-up cost out of the trace)")
@@ -316,7 +319,8 @@ class LossSection:
     chunk_tokens: int = _opt(256, "> 0: fused output projection + cross entropy over chunks of this many tokens, "
                              "so at most [chunk_tokens, vocab / tp] logits exist at a time; 0: full logits (unfused)")
     mtp_weight: float = _opt(0.0, "multi-token prediction (models with MTP modules, e.g. deepseek_v3's "
-                             "num_nextn_predict_layers): objective = main + mtp_weight × mean over depths; 0: main only")
+                             "num_nextn_predict_layers): objective = main + mtp_weight × mean over depths; "
+                             "0: main only")
 
 
 @dataclass

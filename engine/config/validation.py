@@ -25,7 +25,8 @@ def loss_problems(loss, p) -> list[tuple[bool, str, Any, str]]:
          "must be a finite number >= 0 (0: no multi-token-prediction loss; DeepSeek-V3 used 0.3, then 0.1)"),
         (z < 0, "loss.z_loss_weight", z, "must be >= 0 (0: off; PaLM used 1e-4)"),
         (z > 0 and p.tp > 1 and p.loss_parallel and loss.chunk_tokens == 0, "loss.z_loss_weight", z,
-         "with tp > 1 needs the fused loss (loss.chunk_tokens > 0, vocab-sharded) or parallelism.loss_parallel = false"),
+         "with tp > 1 needs the fused loss (loss.chunk_tokens > 0, vocab-sharded) "
+         "or parallelism.loss_parallel = false"),
     ]
 
 
@@ -85,7 +86,8 @@ def range_problems(cfg) -> list[str]:
          "must be > 0 steps when validation.enable = true"),
         (v.steps == 0 or v.steps < -1, "validation.steps", v.steps,
          "must be -1 (whole split) or a positive number of batches"),
-        (cfg.eval.enable and cfg.eval.freq <= 0, "eval.freq", cfg.eval.freq, "must be > 0 steps when eval.enable = true"),
+        (cfg.eval.enable and cfg.eval.freq <= 0, "eval.freq", cfg.eval.freq,
+         "must be > 0 steps when eval.enable = true"),
         (cfg.eval.enable and not cfg.eval.tasks, "eval.tasks", cfg.eval.tasks,
          "must name at least one task file when eval.enable = true (scripts/eval_task.py writes one)"),
         (cfg.eval.limit == 0 or cfg.eval.limit < -1, "eval.limit", cfg.eval.limit,
@@ -135,7 +137,8 @@ def range_problems(cfg) -> list[str]:
 def optimizer_problems(o) -> list[tuple[bool, str, Any, str]]:
     """Range checks of the Muon keys of ``[optimizer]`` (engine/train/muon.py)."""
     coefficients = o.muon_ns_coefficients.split(",")
-    numbers = len(coefficients) == 3 and all(re.fullmatch(r"\s*[-+]?[0-9.]+(e[-+]?[0-9]+)?\s*", c) for c in coefficients)
+    number = r"\s*[-+]?[0-9.]+(e[-+]?[0-9]+)?\s*"
+    numbers = len(coefficients) == 3 and all(re.fullmatch(number, c) for c in coefficients)
     return [
         (not o.muon_lr > 0, "optimizer.muon_lr", o.muon_lr, "must be > 0, e.g. 2e-2"),
         (not 0 <= o.muon_momentum < 1, "optimizer.muon_momentum", o.muon_momentum, "must be in [0, 1), e.g. 0.95"),

@@ -1,7 +1,7 @@
 """Hugging Face checkpoints (safetensors + config.json) <-> Quadra DCP checkpoints, one process.
 
-- :func:`import_hf_model`: a folder of a model type some family's adapter reads (Llama, Mixtral) -> a model-only DCP checkpoint (float32,
-  like the master weights a run saves) that any layout starts from with
+- :func:`import_hf_model`: a folder of a model type some family's adapter reads (Llama, Mixtral) -> a
+  model-only DCP checkpoint (float32, like the master weights a run saves) that any layout starts from with
   ``checkpoint.initial_load_path``; its quadra.json holds the model arguments built from
   config.json (``model.args_path`` reads them), and the tokenizer files are copied beside it.
 - :func:`export_hf_model`: a DCP checkpoint (converted, or saved by a run under any layout) ->

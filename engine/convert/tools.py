@@ -164,7 +164,8 @@ def import_model_weights(weights_path: str, checkpoint_dir: str) -> str:
     try:
         weights = torch.load(weights_path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
-        raise CheckpointError(f"{weights_path!r}: torch.load(weights_only=True) cannot read it ({type(error).__name__}); "
+        raise CheckpointError(f"{weights_path!r}: torch.load(weights_only=True) cannot read it "
+                              f"({type(error).__name__}); "
                               "pass a torch.save file of {name: tensor}, e.g. one written by to-torch") from None
     if not isinstance(weights, dict) or not weights or not all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()):

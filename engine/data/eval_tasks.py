@@ -78,7 +78,8 @@ def _example(record, where: str) -> Example:
     if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
         raise ValueError(f"{where}: \"choices\" must be a list of at least 2 non-empty strings")
     if not isinstance(gold, int) or isinstance(gold, bool) or not 0 <= gold < len(choices):
-        raise ValueError(f"{where}: \"gold\" must be the index of the right choice (0..{len(choices) - 1}), got {gold!r}")
+        raise ValueError(f"{where}: \"gold\" must be the index of the right choice "
+                         f"(0..{len(choices) - 1}), got {gold!r}")
     return Example(context, tuple(choices), gold, delimiter)
 
 

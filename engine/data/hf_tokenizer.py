@@ -42,7 +42,8 @@ class HFTokenizerFile:
         try:
             self._tok = Tokenizer.from_file(path)
         except Exception as err:  # noqa: BLE001 - the library raises plain Exception subclasses
-            raise ValueError(f"model.tokenizer_path={path!r} is not a readable tokenizer.json ({err}); {_FIX}") from None
+            raise ValueError(f"model.tokenizer_path={path!r} is not a readable tokenizer.json ({err}); "
+                             f"{_FIX}") from None
         config = {}
         folder = os.path.dirname(os.path.abspath(path))
         for name in ("tokenizer_config.json", "special_tokens_map.json"):
@@ -56,7 +57,8 @@ class HFTokenizerFile:
             self.config_file = None
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.vocab_size: int = max(self._tok.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1)
-        self.bos_id, self.eos_id, self.pad_id = (self._id(config, key) for key in ("bos_token", "eos_token", "pad_token"))
+        keys = ("bos_token", "eos_token", "pad_token")
+        self.bos_id, self.eos_id, self.pad_id = (self._id(config, key) for key in keys)
 
     def _id(self, config: dict, key: str) -> int:
         token = _special(config, key)

@@ -137,7 +137,8 @@ class PackedDataLoader:
         L, A = self.local_batch_size, self.grad_accum_steps
         position, microbatch = self._position, self._microbatch
         while True:
-            if microbatch == 0 and not self.source.infinite and not self.source.ensure(position + self.global_batch_size - 1):
+            step_end = position + self.global_batch_size - 1  # the step's last sample
+            if microbatch == 0 and not self.source.infinite and not self.source.ensure(step_end):
                 return
             yield position + self.dp_rank * L * A + microbatch * L
             microbatch += 1
@@ -379,8 +380,9 @@ def build_validation_dataloader(validation_cfg, data_cfg, tokenizer: Tokenizer, 
                          f"{dp_rank} in [0, dp degree {dp_degree})")
     make = _make_source(validation_cfg.path, "validation.path", data_cfg, tokenizer,
                         split=VALIDATION_SPLIT, seq_len=seq_len, shuffle=False, seed=0, infinite=False)
+    streaming = bool(data_cfg.streaming) and not is_prepared(validation_cfg.path)
     loader = ValidationDataLoader(make, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree,
-                                  steps=steps, streaming=bool(data_cfg.streaming) and not is_prepared(validation_cfg.path))
+                                  steps=steps, streaming=streaming)
     if not make().ensure(local_batch_size * dp_degree - 1):
         raise ValueError(
             f"validation.path={validation_cfg.path!r} holds fewer than training.global_batch_size = "

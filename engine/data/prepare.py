@@ -269,8 +269,9 @@ def prepare(source: str, output: str, tokenizer_path: str, *, text_column: str =
     try:
         started = time.perf_counter()
         ids = datasets.List(datasets.Value(token_dtype(tok.vocab_size).name))
-        mapped = ds.map(_tokenize, batched=True, batch_size=1000, with_indices=True, num_proc=num_proc if num_proc > 1 else None,
-                        remove_columns=ds.column_names, features=datasets.Features({"ids": ids}),
+        mapped = ds.map(_tokenize, batched=True, batch_size=1000, with_indices=True,
+                        num_proc=num_proc if num_proc > 1 else None, remove_columns=ds.column_names,
+                        features=datasets.Features({"ids": ids}),
                         fn_kwargs={"tokenizer_path": tok.path, "text_column": text_column,
                                    "eos": tok.eos_id != tok.bos_id},
                         cache_file_name=os.path.join(cache, "ids.arrow"), load_from_cache_file=False,

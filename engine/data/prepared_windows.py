@@ -202,8 +202,8 @@ def build_mixture(entries: list[str], tokenizer, *, seq_len: int, shuffle: bool,
     sources = []
     for i, (path, _) in enumerate(parsed):
         if not is_prepared(path):
-            raise PreparedDataError(f"data.mixture entry {path!r} is not a prepared folder (no manifest.json); prepare it "
-                                    "with scripts/prepare_data.py")
+            raise PreparedDataError(f"data.mixture entry {path!r} is not a prepared folder (no manifest.json); "
+                                    "prepare it with scripts/prepare_data.py")
         sources.append(PreparedWindows(path, tokenizer, seq_len=seq_len, shuffle=shuffle, seed=seed,
                                        infinite=infinite, stream=i, setting="data.mixture", identity=identity))
     mixture = MixtureWindows(sources, [w for _, w in parsed], _metric_names([p for p, _ in parsed]))

@@ -32,8 +32,8 @@ def require_bos(bos_id: int) -> None:
         ValueError: ``bos_id`` < 0, in one line naming the settings and the fix.
     """
     if bos_id < 0:
-        raise ValueError("document_mask.enable / restart_positions need a tokenizer with a BOS token (packing begins each "
-                         "document with it); use such a tokenizer or set both to false")
+        raise ValueError("document_mask.enable / restart_positions need a tokenizer with a BOS token "
+                         "(packing begins each document with it); use such a tokenizer or set both to false")
 
 
 class Tokenizer:

@@ -78,8 +78,9 @@ def dry_run(cfg, world_size: int, *, gpus_per_node: int) -> int:
     est.fits = est.memory.total <= gpu.usable_bytes
     seconds = time.perf_counter() - start
     c = cfg
-    print(f"dry run: {c.model.name} {c.model.flavor}, {world_size} rank{'s' if world_size > 1 else ''} ({gpus_per_node} per node), "
-          f"seq_len {layout.seq_len}, global batch {layout.global_batch_size}; GPU {gpu.name} ({gpu_source})")
+    print(f"dry run: {c.model.name} {c.model.flavor}, {world_size} rank{'s' if world_size > 1 else ''} "
+          f"({gpus_per_node} per node), seq_len {layout.seq_len}, global batch {layout.global_batch_size}; "
+          f"GPU {gpu.name} ({gpu_source})")
     from engine.planner.float8 import float8_summary
 
     float8_line = float8_summary(layout, gpu)
@@ -137,8 +138,8 @@ def fit_message(cfg, world_size: int, *, gpus_per_node: int, gpu, gpu_bytes: int
     return (f"the planner predicts {m.total / GIB:.1f} GiB per GPU (params {m.params / GIB:.1f}, grads "
             f"{m.grads / GIB:.1f}, optimizer {m.optimizer / GIB:.1f}, activations {m.activations / GIB:.1f}, FSDP "
             f"buffers {m.transient / GIB:.1f}; gradient reduction {m.reduction / GIB:.1f}) but {gpu_name} has "
-            f"{gpu_bytes / GIB:.1f} GiB ({usable(gpu_bytes) / GIB:.1f} usable, {HEADROOM:.0%} kept for the CUDA context, "
-            f"NCCL and fragmentation): expect out-of-memory; {fit_hint(m, gpu_bytes)}")
+            f"{gpu_bytes / GIB:.1f} GiB ({usable(gpu_bytes) / GIB:.1f} usable, {HEADROOM:.0%} kept for the CUDA "
+            f"context, NCCL and fragmentation): expect out-of-memory; {fit_hint(m, gpu_bytes)}")
 
 
 def fit_warning(cfg, world_size: int, *, gpus_per_node: int, setup=None) -> str | None:
@@ -160,10 +161,10 @@ def fit_warning(cfg, world_size: int, *, gpus_per_node: int, setup=None) -> str 
         return None
 
 
-if __name__ == "__main__":  # python -m engine.launch.dry_run --job.config_file X [overrides]; WORLD_SIZE from NGPU × NNODES
+if __name__ == "__main__":  # python -m engine.launch.dry_run --job.config_file X [overrides]
     from engine.config import load_config
 
     _cfg = load_config(sys.argv[1:])
     _cfg.validate()
-    _n = int(os.environ.get("NGPU", "8"))
+    _n = int(os.environ.get("NGPU", "8"))  # WORLD_SIZE from NGPU × NNODES
     sys.exit(dry_run(_cfg, _n * int(os.environ.get("NNODES", "1")), gpus_per_node=_n))

@@ -6,7 +6,8 @@ module starts a lighthouse (torchft's ``torchft_lighthouse``, which forms each s
 one is named, then ``group_size`` launches of ``engine.launch``, each with ``NGPU / group_size``
 ranks and its own ``--fault_tolerance.replica_id``. Each group is its own torchrun: ``MAX_RESTARTS``
 restarts a failed group alone while the others step on, and the restarted group heals from a live
-one. Several nodes start one group per launch by hand (see engine/docs/fault-tolerance.md, "Fault-tolerant replica groups").
+one. Several nodes start one group per launch by hand (see engine/docs/fault-tolerance.md,
+"Fault-tolerant replica groups").
 """
 
 from __future__ import annotations

@@ -93,7 +93,8 @@ class CommTimer(TorchDispatchMode):
         if name in _WAIT_OPS:
             group = self._tensor_groups.pop(id(args[0]), None)
             if group is None:  # a view or re-wrap of the result: the oldest outstanding one
-                group = self._tensor_groups.pop(next(iter(self._tensor_groups))) if self._tensor_groups else "unattributed"
+                oldest = next(iter(self._tensor_groups), None)
+                group = self._tensor_groups.pop(oldest) if oldest is not None else "unattributed"
         elif name == _WRAP_OP:
             group = self._tensor_groups.pop(id(args[0]), "unattributed")
             self._tensor_groups[id(out)] = group

@@ -122,7 +122,8 @@ class StepRecorder:
             if self._writes_grads():
                 for name, param in part.named_parameters():
                     if param.requires_grad:
-                        self._handles.append(param.register_post_accumulate_grad_hook(self._grad_hook(clean_name(name))))
+                        hook = self._grad_hook(clean_name(name))
+                        self._handles.append(param.register_post_accumulate_grad_hook(hook))
 
     def _writes_grads(self) -> bool:
         c = self.coords

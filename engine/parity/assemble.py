@@ -122,7 +122,8 @@ def _join_tp(calls: list[dict], features, batch: int, seq: int, grouped: bool) -
         differ = [j for j, (a, b) in enumerate(zip(f, features)) if a != b]
         if s == seq and len(f) == len(features) and len(differ) == 1 and f[differ[0]] * tp == features[differ[0]]:
             return torch.cat(shaped, dim=2 + differ[0])  # column-parallel features
-    return f"shape {tuple(joined[0].shape)} fits neither a replica nor a tp shard of [{batch}, {seq}, *{tuple(features)}]"
+    return (f"shape {tuple(joined[0].shape)} fits neither a replica nor a tp shard of "
+            f"[{batch}, {seq}, *{tuple(features)}]")
 
 
 def assemble(records: list[dict], reference: View | None = None) -> View:

@@ -263,7 +263,8 @@ class Sweep:
             reference, layout_folder = os.path.join(self.reference.folder, "record"), os.path.join(run_folder, "record")
             start = "both from initialization" if not self.replay else "both from the replayed checkpoint"
         else:
-            resume = {"checkpoint.initial_load_path": os.path.join(self.reference.folder, "checkpoint", f"step-{step - 1}"),
+            previous = os.path.join(self.reference.folder, "checkpoint", f"step-{step - 1}")
+            resume = {"checkpoint.initial_load_path": previous,
                       "checkpoint.initial_load_model_only": "false", "training.stop_after_step": step,
                       "record.step": step}
             start = f"both from one process's checkpoint step-{step - 1}"

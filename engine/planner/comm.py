@@ -73,9 +73,9 @@ class _Tally:
 
 def group_sizes(layout) -> dict[str, int]:
     """Size of each mesh dim's group (the names of parallelisms/parallel_dims.py)."""
-    return {"pp": layout.pp, "dp_replicate": layout.dp_replicate, "dp_shard_cp": layout.fsdp, "dp_shard": layout.dp_shard,
-            "dp_cp": layout.dp * layout.cp, "cp": layout.cp, "tp": layout.tp, "ep": layout.ep,
-            "dp_shard_mod_ep": layout.fsdp // layout.ep}
+    return {"pp": layout.pp, "dp_replicate": layout.dp_replicate, "dp_shard_cp": layout.fsdp,
+            "dp_shard": layout.dp_shard, "dp_cp": layout.dp * layout.cp, "cp": layout.cp, "tp": layout.tp,
+            "ep": layout.ep, "dp_shard_mod_ep": layout.fsdp // layout.ep}
 
 
 def _recomputed_blocks(layout, n_layers: int) -> float:
@@ -130,7 +130,8 @@ def comm_bytes(layout, coords: dict | None = None) -> dict[str, dict]:
             tally.add("tp", "all_reduce", 4 * norms)
         else:
             per_block = 2 * x + 2 * x + x * rerun
-            tally.add("tp", "all_reduce", n_mb * (n_layers * per_block + (x if has_first else 0) + (x if has_last else 0)))
+            tally.add("tp", "all_reduce",
+                      n_mb * (n_layers * per_block + (x if has_first else 0) + (x if has_last else 0)))
         tally.add("tp", "all_reduce", 8)  # gradient norm partial
     if layout.cp > 1:
         k = b * (a.n_heads // layout.tp) * s * a.head_dim

@@ -116,8 +116,9 @@ def forget_meshes() -> None:
     """Clear DTensor's process-wide caches that hold ``DeviceMesh`` objects.
 
     ``DeviceMesh`` equality compares the ranks a mesh spans, its layout, device type and dim names,
-    not the rank of the process that built it nor its process groups, so a later, real mesh of the same shape is equal to a fake one. DTensor's sharding
-    propagation caches (the Python one and the C++ fast path's, cleared together by
+    not the rank of the process that built it nor its process groups, so a later, real mesh of the
+    same shape is equal to a fake one. DTensor's sharding propagation caches (the Python one and the
+    C++ fast path's, cleared together by
     ``torch.distributed.tensor.debug._clear_sharding_prop_cache``) would then return output specs that
     carry the fake mesh, whose coordinate is the fake rank's: a real rank 1 of tp 2 computed rank 0's
     shards (torch 2.13; found as tp 2 losses 0.6 % off in runs forked after a dry run). Also cleared:

@@ -26,15 +26,16 @@ def table(records: list[dict], limit: int = 15) -> str:
     lines = [head]
     for i, r in enumerate(records[:limit], 1):
         m = r["memory_bytes_per_rank"]
-        comm = " ".join(f"{_DIM_SHORT.get(d, d)}={v['wire'] / 1e9:.3g}" for d, v in r["comm_bytes_per_step_per_rank"].items()
-                        if v["wire"] >= 1e6)
+        comm = " ".join(f"{_DIM_SHORT.get(d, d)}={v['wire'] / 1e9:.3g}"
+                        for d, v in r["comm_bytes_per_step_per_rank"].items() if v["wire"] >= 1e6)
         lines.append(
             f"{i:>2} {degrees_text(r['degrees']):<24} {r['activation_checkpoint']:<12} "
             f"{r['local_batch_size']}/{r['grad_accum']}/{r['pp_microbatches']:<5} "
             f"{m['params'] / GIB:6.1f} {m['grads'] / GIB:6.1f} {m['optimizer'] / GIB:6.1f} "
             f"{m['activations'] / GIB:6.1f} {m['reduction'] / GIB:6.1f} {m['total'] / GIB:6.1f} "
             f"{r['gpu_memory_bytes'] / GIB:5.0f} "
-            f"{r['bubble']:6.3f} {r['step_time_s']:7.2f} {100 * r['mfu']:4.1f}% {'yes ' if r['fits'] else 'NO  '} {comm}"
+            f"{r['bubble']:6.3f} {r['step_time_s']:7.2f} {100 * r['mfu']:4.1f}% "
+            f"{'yes ' if r['fits'] else 'NO  '} {comm}"
         )
     return "\n".join(lines)
 

@@ -41,7 +41,8 @@ def bubble_fraction(schedule: str, pp: int, n_microbatches: int, stages_per_rank
         return (k - 1) / (3 * v * m + k - 1)
     if name in ("zbvzerobubble", "dualpipev"):
         return 0.0 if m >= 2 * k else (k - 1) / (v * m + k - 1)
-    raise ValueError(f"parallelism.pp_schedule = {schedule!r} has no bubble model; use a torch.distributed.pipelining name")
+    raise ValueError(f"parallelism.pp_schedule = {schedule!r} has no bubble model; "
+                     "use a torch.distributed.pipelining name")
 
 
 def layout_bubble(layout) -> float:

@@ -6,8 +6,9 @@ diverged loss exits with status 1; a second Ctrl-C outside the launcher exits 13
 line: written to ``$QUADRA_ERROR_DIR/rank<N>.err`` when the launcher set that (it prints each distinct
 reason once), else printed with a ``[rankN]`` prefix. Set ``QUADRA_TRACEBACK=1`` to see full
 tracebacks. A crash (SIGSEGV, SIGABRT from glibc's heap checks, SIGBUS, SIGFPE, SIGILL) prints every
-thread's Python stack to stderr (faulthandler), which the launcher names in its verdict. SIGTERM, SIGUSR1 or a first SIGINT stops every rank after the current step (engine/train/signals.py);
-with checkpointing on, the state is saved first, and the process exits 0 with one line saying so.
+thread's Python stack to stderr (faulthandler), which the launcher names in its verdict. SIGTERM,
+SIGUSR1 or a first SIGINT stops every rank after the current step (engine/train/signals.py); with
+checkpointing on, the state is saved first, and the process exits 0 with one line saying so.
 """
 
 from __future__ import annotations

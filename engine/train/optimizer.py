@@ -172,9 +172,10 @@ def build_optimizer(model_parts: list[nn.Module], cfg, *, whole_model: bool = Tr
     groups = _param_groups(named, rules, cfg, decay)
     _log_rule_counts(named, rules, cfg.name)
     if cfg.name == "Muon":  # two peak lrs: say which is which (the step lines log the first group's)
-        logger.info("Muon: the hidden matrices peak at optimizer.muon_lr = %g (scaled per matrix by muon_adjust_lr = %s), "
-                    "the AdamW part (embedding, head, norms) at optimizer.lr = %g; the step lines log the %s group's lr",
-                    cfg.muon_lr, cfg.muon_adjust_lr, cfg.lr, groups[0].get("name", "the first group") if groups else "-")
+        first = groups[0].get("name", "the first group") if groups else "-"
+        logger.info("Muon: the hidden matrices peak at optimizer.muon_lr = %g (scaled per matrix by "
+                    "muon_adjust_lr = %s), the AdamW part (embedding, head, norms) at optimizer.lr = %g; "
+                    "the step lines log the %s group's lr", cfg.muon_lr, cfg.muon_adjust_lr, cfg.lr, first)
     adamw_kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **flags)
     if cfg.name == "Muon":
         from engine.train.muon import MuonWithAdamW
@@ -247,5 +248,5 @@ def _log_rule_counts(named: list[tuple[str, nn.Parameter]], rules: list, optimiz
         label += f" {key[1]}"
         n, elements = counts.get(label, (0, 0))
         counts[label] = (n + 1, elements + p.numel())
-    logger.info("optimizer param groups (this rank's parameters): %s", "; ".join(f"{label}: {n} parameters ({e:,} elements)"
-                                                        for label, (n, e) in counts.items()))
+    summary = "; ".join(f"{label}: {n} parameters ({e:,} elements)" for label, (n, e) in counts.items())
+    logger.info("optimizer param groups (this rank's parameters): %s", summary)

@@ -50,7 +50,8 @@ class RunRecovery:
 
     def _say_why(self) -> None:
         """The restart line and the layout line (rank 0)."""
-        restart = read_json_record(os.path.join(self.state_dir, f"restart-{self.attempt}.json")) if self.state_dir else None
+        restart = (read_json_record(os.path.join(self.state_dir, f"restart-{self.attempt}.json"))
+                   if self.state_dir else None)
         step = self.trainer.step
         if restart is not None:
             resumed = f"resumed from checkpoint step-{step}" if step else "started again from step 0 (no checkpoint)"

@@ -223,12 +223,14 @@ class SingleRunner(_Runner):
         inputs) -> its loss contribution (detached)."""
         inputs, kwargs = self.context.model_inputs(inputs)
         with self.context.autocast():
-            loss = model_loss(self.model_parts[0], inputs, labels, global_tokens, chunk_tokens=self.context.loss_chunk_tokens,
-                              z_loss=self.context.z_loss, **kwargs, **(window or {}))
+            loss = model_loss(self.model_parts[0], inputs, labels, global_tokens,
+                              chunk_tokens=self.context.loss_chunk_tokens, z_loss=self.context.z_loss,
+                              **kwargs, **(window or {}))
         loss.backward()
         return loss.detach()
 
-    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, window: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor,
+                 window: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(token-sum loss in fp64, label tokens) of one batch, forward only (the window inputs of
         training objectives are not needed)."""
         inputs, kwargs = self.context.model_inputs(inputs)
@@ -327,13 +329,15 @@ class PipelineRunner(_Runner):
         return torch.zeros((), device=self.context.device)
 
     @torch.no_grad()
-    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, window: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor,
+                 window: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward only (``schedule.eval``): (token-sum loss, label tokens) on the last stage, zeros
         elsewhere (:meth:`sum_over_stages` shares them); ``window`` is not needed."""
         losses: list[torch.Tensor] = []
         inputs, kwargs = self.context.model_inputs(inputs)
         args = (inputs,) if self.has_first else ()
-        with self.context.autocast(), self.context.loss_and_positions(), evaluation_order(self.schedule, self.plan, self.pp_size):
+        with (self.context.autocast(), self.context.loss_and_positions(),
+              evaluation_order(self.schedule, self.plan, self.pp_size)):
             # return_outputs=False reaches step() through eval()'s keywords: the losses are all we
             # read, and the fused loss's 0-dim stage outputs cannot be concatenated into a batch.
             self.schedule.eval(*args, target=labels if self.has_last else None, losses=losses,
@@ -341,7 +345,8 @@ class PipelineRunner(_Runner):
         total = torch.zeros((), device=self.context.device, dtype=torch.float64)
         for loss in losses:  # a Replicate DTensor under loss parallel (tensor parallel on the last stage)
             total += to_local(loss).double()
-        tokens = (labels != IGNORE_INDEX).sum() if self.has_last else torch.zeros((), dtype=torch.int64, device=labels.device)
+        tokens = ((labels != IGNORE_INDEX).sum() if self.has_last
+                  else torch.zeros((), dtype=torch.int64, device=labels.device))
         return total, tokens
 
     @torch.no_grad()

@@ -136,8 +136,9 @@ class StepHealth:
                                  'step_health.on_nonfinite = "skip" to skip such steps')
         elif checks and len(self.window) >= self.min_samples:
             stats = self.statistics()
-            for reason, value, sigma, name in ((LOSS_SPIKE, loss, self.cfg.loss_spike_sigma, "loss"),
-                                               (GRAD_NORM_SPIKE, grad_norm, self.cfg.grad_norm_spike_sigma, "grad_norm")):
+            checked = ((LOSS_SPIKE, loss, self.cfg.loss_spike_sigma, "loss"),
+                       (GRAD_NORM_SPIKE, grad_norm, self.cfg.grad_norm_spike_sigma, "grad_norm"))
+            for reason, value, sigma, name in checked:
                 mean, std = stats[f"{name}_mean"], stats[f"{name}_std"]
                 if sigma > 0 and value - mean > sigma * std:
                     verdict.reason, verdict.value, verdict.skip = reason, value, True

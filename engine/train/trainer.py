@@ -274,8 +274,9 @@ class Trainer:
         if verdict.reason is not None:
             self._report_unhealthy(verdict, lr)
         record = {"loss": loss, "z_loss": z_loss, "grad_norm": grad_norm, "lr": lr, "tokens": local_tokens,
-                  "skipped": verdict.reason, "global_tokens": int(global_tokens.item()), "data_seconds": timer.seconds["data"],
-                  "epoch": self.dataloader.epoch, "model_metrics": model_metrics, "committed": committed}
+                  "skipped": verdict.reason, "global_tokens": int(global_tokens.item()),
+                  "data_seconds": timer.seconds["data"], "epoch": self.dataloader.epoch,
+                  "model_metrics": model_metrics, "committed": committed}
         if self.ft is not None:
             record["replicas"] = self.ft.participants
         compute_seconds = timer.seconds["forward_backward"]
