@@ -27,7 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["document_ids", "document_positions", "document_mask", "block_mask", "attention_inputs", "document_attention"]
+__all__ = ["document_ids", "document_positions", "document_mask", "block_mask", "attention_inputs",
+           "document_attention"]
 
 
 def document_ids(tokens: torch.Tensor, bos_id: int) -> torch.Tensor:

@@ -133,7 +133,8 @@ def common_args(config: dict, where: str) -> dict:
             "attention_bias / mlp_bias = true; Quadra's linear layers have no biases")
     head_dim = config.get("head_dim") or dim // heads
     require(head_dim * heads == dim, where,
-            f"head_dim = {head_dim} with {heads} heads != hidden_size = {dim}; Quadra needs head_dim = hidden_size / heads")
+            f"head_dim = {head_dim} with {heads} heads != hidden_size = {dim}; "
+            "Quadra needs head_dim = hidden_size / heads")
     theta, rope = rope_from_config(config, where)
     return dict(dim=dim, n_layers=int(config["num_hidden_layers"]), n_heads=heads,
                 n_kv_heads=int(config.get("num_key_value_heads") or heads), vocab_size=int(config["vocab_size"]),

@@ -383,6 +383,6 @@ def long_context_warning(base, seq_len: int, label: str) -> str | None:
         return None
     summary = getattr(base, "rope_summary", "unknown")
     return (f"training.seq_len = {seq_len} is past the max_seq_len {base.max_seq_len} model {label} is made for "
-            f"({seq_len / base.max_seq_len:g}x), positions {base.max_seq_len}..{seq_len - 1} included; RoPE frequencies "
-            f"(of every position): {summary}; "
+            f"({seq_len / base.max_seq_len:g}x), positions {base.max_seq_len}..{seq_len - 1} included; "
+            f"RoPE frequencies (of every position): {summary}; "
             f"checkpoints and Hugging Face exports record max_seq_len = {seq_len}")

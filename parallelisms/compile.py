@@ -74,8 +74,8 @@ def compile_summary(models: list[nn.Module], backend: str, cp: int = 1) -> str:
     if whole:
         what.append(f"{whole} whole block{'s' if whole > 1 else ''}")
     if moe:
-        what.append(f"{moe} MoE block{'s' if moe > 1 else ''} by their attention, router and shared experts (token routing and the "
-                    "all-to-all stay eager)")
+        what.append(f"{moe} MoE block{'s' if moe > 1 else ''} by their attention, router and shared experts "
+                    "(token routing and the all-to-all stay eager)")
     if cp > 1:
         what.append(f"the ring attention (cp {cp}) is one opaque operator inside them, its send/recv eager")
     return (f"compile ({backend}, fullgraph): {sum(len(p) for p in parts)} modules per rank: {'; '.join(what)}; "

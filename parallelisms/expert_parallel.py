@@ -37,7 +37,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from parallelisms.checks import ExpertParallelError, validate_expert_parallel  # start-up rules, torch-free
 from parallelisms.data_parallel import mixed_precision_policy, reshard_setting, shard_module
 
-__all__ = ["ExpertParallel", "ExpertParallelError", "regroup_by_local_expert", "shard_experts", "validate_expert_parallel"]
+__all__ = ["ExpertParallel", "ExpertParallelError", "regroup_by_local_expert", "shard_experts",
+           "validate_expert_parallel"]
 
 
 def regroup_by_local_expert(counts: torch.Tensor) -> torch.Tensor:

@@ -169,7 +169,8 @@ def plan_pipeline(parallelism_cfg, *, n_layers: int, local_batch_size: int, pp_r
             "parallelism.pp_stages_per_rank = 2 or use GPipe / 1F1B."
         )
     if name in V_SCHEDULES and per_rank != 2:
-        raise PipelineConfigError(f"parallelism.pp_schedule = {name!r} needs exactly 2 stages per rank, got {per_rank}.")
+        raise PipelineConfigError(f"parallelism.pp_schedule = {name!r} needs exactly 2 stages per rank, "
+                                  f"got {per_rank}.")
     if name != "GPipe" and n_microbatches < p.pp:
         # 1F1B-style warm-up needs one microbatch in flight per rank; fewer deadlocks or asserts.
         raise PipelineConfigError(

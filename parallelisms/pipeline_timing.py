@@ -2,8 +2,9 @@
 
 Each of this rank's pipeline stages gets its forward and backward chunk methods wrapped with a
 timer; per step, busy = Σ chunk seconds and bubble = 1 - busy / step seconds. For GPipe with equal
-stages this approaches (K-1)/(M+K-1) (K stages, M microbatches; GPipe, Huang et al. arXiv 1811.06965). On CUDA, chunk times
-come from CUDA events read once after the step, so timing adds no synchronization per chunk.
+stages this approaches (K-1)/(M+K-1) (K stages, M microbatches; GPipe, Huang et al. arXiv 1811.06965).
+On CUDA, chunk times come from CUDA events read once after the step, so timing adds no
+synchronization per chunk.
 """
 
 from __future__ import annotations

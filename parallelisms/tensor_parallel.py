@@ -143,7 +143,8 @@ class VocabParallelEmbedding(ParallelStyle):
         if module.padding_idx is not None or module.max_norm is not None or module.sparse:
             raise ValueError("VocabParallelEmbedding supports neither padding_idx, max_norm nor sparse gradients")
         if module.num_embeddings % device_mesh.size() != 0:
-            raise ValueError(f"{module.num_embeddings} embedding rows do not split evenly over tp = {device_mesh.size()}")
+            raise ValueError(f"{module.num_embeddings} embedding rows do not split evenly "
+                             f"over tp = {device_mesh.size()}")
 
         def shard_rows(_name, mod, mesh):
             mod.register_parameter("weight", nn.Parameter(distribute_tensor(mod.weight, mesh, [Shard(0)])))

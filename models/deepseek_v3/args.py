@@ -99,7 +99,8 @@ class DeepseekV3ModelArgs(MoEModelArgs):
     def n_routed_blocks(self) -> int:
         """MoE blocks of the main model and of the multi-token-prediction depths (depth k's block has
         layer_id n_layers + k - 1, models/deepseek_v3/mtp.py)."""
-        return self.n_moe_layers + sum(self.is_moe_layer(self.n_layers + k) for k in range(self.num_nextn_predict_layers))
+        return self.n_moe_layers + sum(self.is_moe_layer(self.n_layers + k)
+                                       for k in range(self.num_nextn_predict_layers))
 
     @property
     def yarn_enabled(self) -> bool:

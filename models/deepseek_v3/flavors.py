@@ -41,4 +41,5 @@ deepseek_v3_flavors: dict[str, DeepseekV3ModelArgs] = {
 deepseek_v3_flavors["debugmodel_noqlora"] = dataclasses.replace(
     deepseek_v3_flavors["debugmodel"], q_lora_rank=0, rope_scaling="none")
 # The debug model with two multi-token-prediction depths (the second chains on the first's state).
-deepseek_v3_flavors["debugmodel_mtp"] = dataclasses.replace(deepseek_v3_flavors["debugmodel"], num_nextn_predict_layers=2)
+deepseek_v3_flavors["debugmodel_mtp"] = dataclasses.replace(
+    deepseek_v3_flavors["debugmodel"], num_nextn_predict_layers=2)

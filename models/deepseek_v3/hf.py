@@ -13,13 +13,13 @@ Weights map one to one (``q_a_proj`` <-> ``wq_a``, ``kv_a_proj_with_mqa`` <-> ``
 per-expert matrices transposed and stacked (models/moe/hf.py). No query/key permutation: with
 ``rope_interleave`` (the default, and DeepSeek's layout) transformers rotates the interleaved
 channel pairs as Quadra does (it writes the result de-interleaved, the same permutation for queries
-and keys, which leaves q·k unchanged). The multi-token-prediction layers of a published checkpoint (``num_nextn_predict_layers`` D;
-``model.layers.{num_hidden_layers + k}.*``, the names of DeepSeek-V3's checkpoint and of vLLM's
-``deepseek_mtp`` loader, which transformers' DeepseekV3 skips) map to ``mtp.{k}``: ``enorm``,
-``hnorm``, ``eh_proj``, ``shared_head.norm`` <-> ``norm`` and the block's usual names <->
-``block.*``. The checkpoint's own copies of the shared embedding and head
-(``embed_tokens``, ``shared_head.head``) are read as the main ones' (Quadra keeps one of each, as the
-paper shares them) and written back as copies of them.
+and keys, which leaves q·k unchanged). The multi-token-prediction layers of a published checkpoint
+(``num_nextn_predict_layers`` D; ``model.layers.{num_hidden_layers + k}.*``, the names of
+DeepSeek-V3's checkpoint and of vLLM's ``deepseek_mtp`` loader, which transformers' DeepseekV3
+skips) map to ``mtp.{k}``: ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` <-> ``norm`` and
+the block's usual names <-> ``block.*``. The checkpoint's own copies of the shared embedding and
+head (``embed_tokens``, ``shared_head.head``) are read as the main ones' (Quadra keeps one of each,
+as the paper shares them) and written back as copies of them.
 """
 
 from __future__ import annotations
@@ -40,11 +40,13 @@ def _rope(config: dict, where: str) -> dict:
     theta, kind, scaling = rope_scaling_of(config)
     if kind == "default":
         return dict(rope_theta=theta, rope_scaling="none")
-    require(kind == "yarn", where, f"RoPE scaling {kind!r} is not supported; DeepSeek-V3 here has the default or \"yarn\"")
+    require(kind == "yarn", where,
+            f"RoPE scaling {kind!r} is not supported; DeepSeek-V3 here has the default or \"yarn\"")
     require(scaling.get("attention_factor") is None, where, "rope attention_factor is set; Quadra derives it from "
                                                             "mscale / mscale_all_dim (remove attention_factor)")
     return dict(rope_theta=theta, **yarn_fields(config, scaling, where, default_positions=4096),
-                rope_yarn_mscale=float(scaling.get("mscale") or 0), rope_yarn_mscale_all_dim=float(scaling.get("mscale_all_dim") or 0))
+                rope_yarn_mscale=float(scaling.get("mscale") or 0),
+                rope_yarn_mscale_all_dim=float(scaling.get("mscale_all_dim") or 0))
 
 
 def _args(config: dict, where: str):
@@ -106,7 +108,8 @@ def config_from_args(args, *, dtype: str, bos_id: int | None, eos_id: int | None
         "hidden_act": "silu", "max_position_embeddings": args.max_seq_len, "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta, "rope_scaling": None, "rope_interleave": True,
         "tie_word_embeddings": args.tie_embeddings, "vocab_size": args.vocab_size, "attention_bias": False,
-        "attention_dropout": 0.0, "num_nextn_predict_layers": args.num_nextn_predict_layers, "initializer_range": 0.02, "use_cache": True,
+        "attention_dropout": 0.0, "num_nextn_predict_layers": args.num_nextn_predict_layers,
+        "initializer_range": 0.02, "use_cache": True,
         "bos_token_id": bos_id, "eos_token_id": eos_id, "torch_dtype": dtype,
     }
     if args.yarn_enabled:

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
-                                               SequenceParallel)
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel)
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from models.llama.parallelize import block_tp_plan, outer_tp_plan

@@ -122,10 +122,12 @@ class LlamaModelArgs:
         if self.rope_scaling == "none":
             return f"none (rope_theta {self.rope_theta:g}, unscaled)"
         if self.rope_scaling == "yarn":
-            return (f"YaRN (factor {self.rope_scaling_factor:g}, original_max_seq_len {self.rope_original_max_seq_len}, "
+            return (f"YaRN (factor {self.rope_scaling_factor:g}, "
+                    f"original_max_seq_len {self.rope_original_max_seq_len}, "
                     f"beta_fast {self.rope_yarn_beta_fast:g}, beta_slow {self.rope_yarn_beta_slow:g})")
         return (f"llama3 scaling (factor {self.rope_scaling_factor:g}, low_freq_factor {self.rope_low_freq_factor:g}, "
-                f"high_freq_factor {self.rope_high_freq_factor:g}, original_max_seq_len {self.rope_original_max_seq_len})")
+                f"high_freq_factor {self.rope_high_freq_factor:g}, "
+                f"original_max_seq_len {self.rope_original_max_seq_len})")
 
     @property
     def ffn_hidden_dim(self) -> int:

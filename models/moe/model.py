@@ -82,8 +82,9 @@ class MoETransformer(Transformer):
             ``moe_tokens_per_expert_min`` / ``_max`` ("min" / "max") over layers and experts;
             ``moe_tokens_per_expert_cv`` (std / mean of a layer's counts, averaged over the model's
             MoE layers, multi-token prediction's included: ``n_routed_blocks``, "sum"); ``moe_balance_loss``
-            (the sequence-wise balance loss, mean over sequences, averaged over them, 1.0 when balanced; the objective adds
-            aux_loss_coeff times it, "sum"); ``moe_dropped_slots`` (slots over capacity, "sum").
+            (the sequence-wise balance loss, mean over sequences, averaged over them, 1.0 when balanced;
+            the objective adds aux_loss_coeff times it, "sum"); ``moe_dropped_slots`` (slots over
+            capacity, "sum").
             A part without MoE layers returns neutral values, so every stage reports the same keys.
         """
         layers = self.moe_layers()
