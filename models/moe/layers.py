@@ -54,7 +54,7 @@ def sort_tokens_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[t
     """
     flat = expert_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
+    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]  # (any minlength > E alike: sliced)
     return order, counts
 
 
@@ -73,7 +73,9 @@ def combine_expert_outputs(
     """
     num_tokens, top_k = weights.shape
     n_routed = expert_out.shape[0]
-    dtype = torch.promote_types(expert_out.dtype, torch.float32)  # float64 in the float64 reference mode
+    # float64 in the float64 reference mode. (Equivalent to keeping expert_out's dtype while the weights are
+    # float32, as the router's are: bf16 copies exactly and the product promotes.)
+    dtype = torch.promote_types(expert_out.dtype, torch.float32)
     slots = expert_out.new_zeros(num_tokens * top_k, expert_out.shape[1], dtype=dtype)
     slots = slots.index_copy(0, order[:n_routed], expert_out.to(dtype))
     return (slots.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)).sum(dim=1)
@@ -92,7 +94,7 @@ def capacity_keep_mask(expert_ids: torch.Tensor, seq_len: int, num_experts: int,
     """
     tokens, top_k = expert_ids.shape
     per_seq = expert_ids.view(tokens // seq_len, seq_len * top_k)
-    one_hot = F.one_hot(per_seq, num_experts)  # [B, S·K, E]
+    one_hot = F.one_hot(per_seq, num_experts)  # [B, S·K, E] (unused trailing experts would not move a position)
     position = (one_hot.cumsum(dim=1) * one_hot).sum(-1) - 1  # 0-based arrival order at its expert
     return (position < capacity).view(tokens, top_k)
 
@@ -109,9 +111,9 @@ class TokenChoiceRouter(nn.Module):
         super().__init__()
         self.num_experts, self.top_k = args.num_experts, args.top_k
         self.score_func, self.route_norm, self.route_scale = args.score_func, args.route_norm, args.route_scale
-        self.gate = nn.Linear(args.dim, args.num_experts, bias=False)
+        self.gate = nn.Linear(args.dim, args.num_experts, bias=False)  # (bias=None alike: falsy)
         bias = torch.zeros(args.num_experts) if args.load_balance_coeff > 0 else None
-        self.register_buffer("expert_bias", bias, persistent=True)
+        self.register_buffer("expert_bias", bias, persistent=True)  # (torch's default: omitting it is alike)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Route tokens x [T, dim].
@@ -122,6 +124,8 @@ class TokenChoiceRouter(nn.Module):
             expert_ids: LongTensor [T, K], in descending order of biased score.
             scores: float32 [T, E], softmax or sigmoid of the gate logits (for the balance loss).
         """
+        # logits, scores, choice: [T, E], so dim=1 / default dims / sorted=True by default are equivalent variants,
+        # and the float32 bias promotes to the scores' dtype by itself.
         logits = self.gate(x)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float64 stays float64
         scores = torch.sigmoid(logits) if self.score_func == "sigmoid" else torch.softmax(logits, dim=-1)
@@ -148,7 +152,8 @@ def _grouped_mm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
 
     CPU kernels (torch >= 2.9) need rows of 16 bytes; CUDA kernels need bfloat16 on SM >= 8.0, and
     so does the op's meta function that torch.compile traces with, whatever the device. Anything
-    else uses the per-expert loop, which gives the same result.
+    else uses the per-expert loop, which gives the same result. (Mutation testing: the CUDA lines are only
+    reached on a GPU, tests/test_gpu.py.)
     """
     if not hasattr(torch, "_grouped_mm") or x.device.type not in _GROUPED_MM_ALIGN:
         return False
@@ -172,7 +177,9 @@ def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
 def _grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1, w2, w3, align: int) -> torch.Tensor:
     """SwiGLU of each group of rows with its expert's weights, through ``torch._grouped_mm``.
 
-    With ``align`` > 1 each group is padded with zero rows to a multiple of ``align`` rows first.
+    With ``align`` > 1 each group is padded with zero rows to a multiple of ``align`` rows first. (Mutation
+    testing: align is 1 or 16, so "align > 2" is alike; a tile more of padding changes no output row; the
+    device arguments matter on a GPU only.)
     """
     if align > 1:
         padded = (counts + align - 1) // align * align
@@ -197,7 +204,7 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int):
         super().__init__()
-        self.num_experts = num_experts
+        self.num_experts = num_experts  # (read by nothing: informative)
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
@@ -209,13 +216,14 @@ class GroupedExperts(nn.Module):
         Returns [N, dim] in the compute dtype. An expert with no rows gets a zero gradient, never
         None, so gradient reduction sees the same parameters on every rank.
         """
+        # (DTensors under expert parallel only: the multi-process tests/test_expert_parallel.py, not the fast ones)
         w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
         if torch.is_autocast_enabled(x.device.type):  # autocast does not cover the grouped kernel
             dtype = torch.get_autocast_dtype(x.device.type)
             x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
         if x.dtype != w1.dtype:
             x = x.to(w1.dtype)
-        if self.use_grouped_mm and _grouped_mm_usable(x, w1) and _grouped_mm_usable(x, w2):
+        if self.use_grouped_mm and _grouped_mm_usable(x, w1) and _grouped_mm_usable(x, w2):  # (same two sizes)
             return _grouped_swiglu(x, counts, w1, w2, w3, _GROUPED_MM_ALIGN[x.device.type])
         outputs = []
         # Empty groups still run (on 0 rows): their weights then get zero gradients.
@@ -242,7 +250,7 @@ class _AttachAuxLoss(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):  # (autograd casts a float32 ones to aux_loss's dtype; the device matters on GPU)
         return grad, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad.device)
 
 
@@ -273,6 +281,7 @@ class MoE(nn.Module):
         self.aux_loss_scale = 1.0
         # The context-parallel group: each sequence's tokens are spread over it (see _balance_loss).
         self.cp_group: dist.ProcessGroup | None = None
+        # persistent=None would be alike (falsy): statistics of one step, not checkpointed
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
         self.register_buffer("balance_loss_sum", torch.zeros(()), persistent=False)
         self.register_buffer("dropped_slots", torch.zeros(()), persistent=False)
@@ -303,7 +312,7 @@ class MoE(nn.Module):
                 self.tokens_per_expert += counts.float()
                 self.balance_loss_sum += balance.detach().float() * self.aux_loss_scale
                 self.dropped_slots += float(expert_ids.numel() - n_routed)
-        if self.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
+        if self.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():  # (>= 0 alike: 0 · loss)
             out = _AttachAuxLoss.apply(out, balance * (self.aux_loss_coeff * self.aux_loss_scale))
         return out
 
@@ -317,12 +326,13 @@ class MoE(nn.Module):
         group (no gradient flows through the counts) and this rank returns its share of the sum in
         P_i, so the cp ranks' values add up to the whole sequences' loss and gradient.
         """
+        # (softmax rows sum to 1 to rounding, so normalising them too, or summing over dim 1 of [T, E], is alike)
         probs = scores / scores.sum(dim=-1, keepdim=True) if self.router.score_func == "sigmoid" else scores
         probs = probs.view(bsz, seqlen, self.num_experts).sum(dim=1)  # [B, E], this rank's tokens
         chosen = F.one_hot(expert_ids.view(bsz, seqlen * self.top_k), self.num_experts).sum(dim=1).float()
         sequence_tokens = seqlen
         if self.cp_group is not None:
-            dist.all_reduce(chosen, op=dist.ReduceOp.SUM, group=self.cp_group)
+            dist.all_reduce(chosen, op=dist.ReduceOp.SUM, group=self.cp_group)  # (SUM: also the default)
             sequence_tokens = seqlen * dist.get_world_size(self.cp_group)
         f = chosen * (self.num_experts / (self.top_k * sequence_tokens))
         return (f * probs / sequence_tokens).sum()
