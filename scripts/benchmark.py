@@ -70,6 +70,7 @@ from scripts.benchmarks import runs  # noqa: E402
 from scripts.benchmarks.harness import MachineBusyError, Stat, guard_load, interleave, ratio_stat  # noqa: E402
 from scripts.benchmarks.compile_parallel import case_compile_parallel  # noqa: E402,F401  (found by name)
 from scripts.benchmarks.optimizers import case_muon  # noqa: E402,F401  (found by name in main)
+from scripts.benchmarks.data_cases import case_data, case_data_prepare  # noqa: E402,F401  (found by name)
 from engine.testing.processes import run_distributed  # noqa: E402
 
 CASES = ("loop", "scaling", "comm", "memory", "ac_compile", "document_mask", "loss", "data", "muon",
@@ -159,12 +160,14 @@ def case_scaling(b: Bench) -> None:
         speedup.p25 *= tokens_factor
         speedup.p75 *= tokens_factor
         out[name] = {"speedup": speedup.as_dict(), "of_ceiling": speedup.median / ceiling}
-        b.row("scaling", f"{name}: tokens/s over 1 process", f"{_fmt_ratio(speedup)}  = {speedup.median / ceiling:.0%} of ceiling")
+        b.row("scaling", f"{name}: tokens/s over 1 process",
+              f"{_fmt_ratio(speedup)}  = {speedup.median / ceiling:.0%} of ceiling")
     compiled = ratio_stat(samples["single_compiled"], samples["tp2_compiled"])
     out["tp2_compiled"] = {"speedup": compiled.as_dict(), "of_ceiling": compiled.median / ceiling}
     b.row("scaling", "tp2 compiled, no SP: tokens/s over 1 compiled process",
           f"{_fmt_ratio(compiled)}  = {compiled.median / ceiling:.0%} of ceiling")
-    tp_clip = run_distributed(runs.clip_under_layout, 2, b.argv("tp2_clip", TP2), b.rounds * b.steps * 4, timeout=600)[0]
+    tp_clip = run_distributed(runs.clip_under_layout, 2, b.argv("tp2_clip", TP2), b.rounds * b.steps * 4,
+                              timeout=600)[0]
     out["tp2_clip_s"], out["torch_full_clip_s"] = tp_clip["clip_s"], tp_clip["torch_full_clip_s"]
     b.results["scaling"] = out
     b.row("scaling", "engine clip under TP 2 / torch's clip of the full gradients",
@@ -183,12 +186,11 @@ def _fsdp_formula(param_bytes: int, block_bytes: int, n_layers: int, microbatche
 
 def case_comm(b: Bench) -> None:
     out = {}
+    accum2 = {**FSDP2, "training.local_batch_size": b.local_batch_size // 2,
+              "training.global_batch_size": 2 * b.local_batch_size}
+    sync_last = {**accum2, "parallelism.grad_sync_each_microbatch": "false"}
     for name, world, overrides in (("fsdp2", 2, FSDP2), ("ddp2", 2, DDP2), ("tp2", 2, TP2),
-                                   ("fsdp2_accum2_each", 2, {**FSDP2, "training.local_batch_size": b.local_batch_size // 2,
-                                                             "training.global_batch_size": 2 * b.local_batch_size}),
-                                   ("fsdp2_accum2_last", 2, {**FSDP2, "training.local_batch_size": b.local_batch_size // 2,
-                                                             "training.global_batch_size": 2 * b.local_batch_size,
-                                                             "parallelism.grad_sync_each_microbatch": "false"})):
+                                   ("fsdp2_accum2_each", 2, accum2), ("fsdp2_accum2_last", 2, sync_last)):
         r = b.timed(f"comm_{name}", world, overrides, timing=False, count_comm=True)[0]
         comm, P, Pb, L = r["comm"], r["param_bytes"], r["block_bytes"], r["model_args"]["n_layers"]
         D = r["model_args"]["dim"]
@@ -209,7 +211,8 @@ def case_comm(b: Bench) -> None:
         out[name] = {"counted": comm, "formula": want, "compared": got}
         for key in want:
             ratio = got[key] / want[key] if want[key] else float("nan")
-            b.row("comm", f"{name} {key} bytes/rank/step counted / formula", f"{got[key]:,} / {want[key]:,} = {ratio:.4f}")
+            b.row("comm", f"{name} {key} bytes/rank/step counted / formula",
+                  f"{got[key]:,} / {want[key]:,} = {ratio:.4f}")
     b.results["comm"] = out
 
 
@@ -224,7 +227,8 @@ def case_memory(b: Bench) -> None:
     out["held_after_microbatch_1"] = held
     # Held over the step: the unsharded fp32 parameters and gradients, 2·P bytes for P parameter bytes.
     b.row("memory", "held between microbatches, sync each / sync last",
-          f"{held['each'] / 2**20:.1f} / {held['last'] / 2**20:.1f} MiB (2*P = {2 * held['param_bytes'] / 2**20:.1f} MiB)")
+          f"{held['each'] / 2**20:.1f} / {held['last'] / 2**20:.1f} MiB "
+          f"(2*P = {2 * held['param_bytes'] / 2**20:.1f} MiB)")
     b.results["memory"] = out
 
 
@@ -272,80 +276,19 @@ def case_loss(b: Bench) -> None:
     from scripts.benchmarks import loss
 
     chunk = LossSection().chunk_tokens
-    peaks = {c: run_distributed(loss.loss_phase_peak_bytes, 1, c, torchrun_env=False, timeout=900)[0] for c in (0, chunk)}
+    peaks = {c: run_distributed(loss.loss_phase_peak_bytes, 1, c, torchrun_env=False, timeout=900)[0]
+             for c in (0, chunk)}
     variants = {name: (lambda n=name, c=c: b.timed(n, 1, loss.engine_overrides(c), independent=True)[0]["step_s"])
                 for name, c in (("unfused", 0), ("fused", chunk))}
     samples = interleave(variants, max(2, b.rounds // 2))
     step = ratio_stat(samples["fused"], samples["unfused"])
     b.results["loss"] = {"chunk_tokens": chunk, "loss_phase_peak_bytes": peaks, "samples": samples,
                          "fused_over_unfused": step.as_dict()}
-    b.row("loss", f"loss phase peak bytes, unfused / fused (chunk {chunk}), vocab {loss.VOCAB:,}, {loss.SEQ_LEN} tokens",
+    peak_row = f"loss phase peak bytes, unfused / fused (chunk {chunk}), vocab {loss.VOCAB:,}, {loss.SEQ_LEN} tokens"
+    b.row("loss", peak_row,
           f"{peaks[0] / 2**20:,.0f} / {peaks[chunk] / 2**20:,.0f} MiB = {peaks[0] / peaks[chunk]:.1f}x")
     b.row("loss", f"step time fused / unfused (debugmodel layers, vocab {loss.VOCAB:,}, seq {loss.SEQ_LEN})",
           _fmt_ratio(step))
-
-
-def case_data(b: Bench) -> None:
-    from scripts.benchmarks import data
-
-    sizes = {"1e7": 10**7, "1e9": 10**9}
-    if shutil.disk_usage(b.folder).free < 3 * 10**9:
-        del sizes["1e9"]
-        b.row("data", "10^9-token corpus", f"skipped: less than 3 GB free in {b.folder}")
-    folders, out = {}, {"write_s": {}}
-    for name, n in sizes.items():
-        folders[name] = os.path.join(b.folder, f"synthetic_{name}")
-        out["write_s"][name] = data.write_synthetic(folders[name], n)
-        b.row("data", f"write a synthetic prepared corpus of {name} tokens", f"{out['write_s'][name]:.1f} s")
-        checked = out.setdefault("verify", {})[name] = data.verify_once(folders[name])
-        b.row("data", f"{name} tokens: one-time checksum verification (first start on a set; warm page cache)",
-              f"{checked['seconds']:.2f} s for {checked['bytes'] / 1e9:.2f} GB = {checked['gb_per_s']:.2f} GB/s")
-    spec = {"seq_len": b.seq_len, "local_batch_size": b.local_batch_size, "seconds": 1.0}
-    runs_ = {f"{name}@{pos:g}": {**spec, "path": folder, "position": pos}
-             for name, folder in folders.items() for pos in (0, 10**8)}
-    runs_["raw@0"] = {**spec, "path": data.RAW_CORPUS, "position": 0}
-    samples = interleave({k: (lambda v=v: [data.measure_in_fresh_process(v)]) for k, v in runs_.items()},
-                         max(2, b.rounds // 2))
-    out["samples"] = samples
-    med = {k: {m: Stat.of([s[m] for s in v]).median for m in v[0]} for k, v in samples.items()}
-    model = b.timed("data_model", 1, {}, independent=True)[0]["step_s"]
-    model_rate = b.seq_len * b.local_batch_size / Stat.of(model).median
-    out.update(medians=med, model_tokens_per_s=model_rate)
-    for name in folders:
-        at0, at8 = med[f"{name}@0"], med[f"{name}@1e+08"]
-        b.row("data", f"{name} tokens: first batch at window 0 / at window 1e8",
-              f"{at0['first_batch_s']:.3f} s / {at8['first_batch_s']:.3f} s")
-        b.row("data", f"{name} tokens: RSS added by the loader (first batch)", f"{at0['rss_added_bytes'] / 2**20:.1f} MiB")
-        b.row("data", f"{name} tokens: loader tokens/s / debugmodel training tokens/s",
-              f"{at0['loader_tokens_per_s']:,.0f} / {model_rate:,.0f} = {at0['loader_tokens_per_s'] / model_rate:,.0f}x")
-    raw = med["raw@0"]
-    b.row("data", "before: raw train.jsonl (tokenized at start): first batch, RSS added",
-          f"{raw['first_batch_s']:.3f} s, {raw['rss_added_bytes'] / 2**20:.1f} MiB")
-    for folder in folders.values():
-        shutil.rmtree(folder, ignore_errors=True)
-    b.results["data"] = out
-
-
-def case_data_prepare(b: Bench, repeats: int = 8) -> None:
-    from scripts.benchmarks import data
-
-    corpus = data.repeated_corpus(os.path.join(b.folder, "corpus.jsonl"), repeats)
-    procs = (1, 2)
-    specs = {n: {"kind": "prepare", "input": corpus, "output": os.path.join(b.folder, f"prepared_{n}"), "num_proc": n,
-                 "env": {"HF_DATASETS_CACHE": os.path.join(b.folder, f"hf_cache_{n}")}} for n in procs}
-
-    def sample(n: int) -> list[dict]:
-        shutil.rmtree(specs[n]["env"]["HF_DATASETS_CACHE"], ignore_errors=True)  # convert the input each time
-        return [data.measure_in_fresh_process(specs[n])]
-
-    samples = interleave({n: (lambda n=n: sample(n)) for n in procs}, max(3, b.rounds // 2))
-    seconds = {n: [s["seconds"] for s in samples[n]] for n in procs}
-    for n in procs:
-        cpu = Stat.of([s["cpu_workers_s"] for s in samples[n]]).median, Stat.of([s["cpu_main_s"] for s in samples[n]]).median
-        b.row("data_prepare", f"prepare train.jsonl x{repeats}, --num_proc {n}: seconds (CPU s workers / main)",
-              f"{Stat.of(seconds[n]).median:.1f} s ({cpu[0]:.1f} / {cpu[1]:.1f})")
-    b.row("data_prepare", "--num_proc 2 over 1: speed-up (time 1 / time 2)", _fmt_ratio(ratio_stat(seconds[1], seconds[2])))
-    b.results["data_prepare"] = {"samples": samples}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,12 +57,14 @@ def main() -> None:
         order = args.intervals if round_ % 2 == 0 else args.intervals[::-1]
         for interval in order:
             results[interval].append(measure(interval, args.steps, args.seq_len))
-    median = {i: {k: statistics.median(r[k] for r in rs) for k in ("loop_s", "checkpoint_s")} for i, rs in results.items()}
+    median = {i: {k: statistics.median(r[k] for r in rs) for k in ("loop_s", "checkpoint_s")}
+              for i, rs in results.items()}
     print(f"debug model, 2 CPU processes, {args.steps} steps, async saves, medians of {args.rounds} launches each")
     print(f"{'interval':>8} {'saves':>5} {'loop s':>8} {'stalls s':>9} {'stall per save s':>17}")
     for interval, m in median.items():
         saves = results[interval][0]["saves"]
-        print(f"{interval:>8} {saves:>5} {m['loop_s']:>8.2f} {m['checkpoint_s']:>9.2f} {m['checkpoint_s'] / saves:>17.3f}")
+        print(f"{interval:>8} {saves:>5} {m['loop_s']:>8.2f} {m['checkpoint_s']:>9.2f} "
+              f"{m['checkpoint_s'] / saves:>17.3f}")
     a, b = args.intervals
     print(f"loop time, interval {a} / interval {b}: {median[a]['loop_s'] / median[b]['loop_s']:.3f}")
 

@@ -99,7 +99,8 @@ def _hugging_face(args: argparse.Namespace) -> int:
             command += f" --model.tokenizer_path {folder}/{out['tokenizer']}"
         else:
             command += (" --model.tokenizer_path TOKENIZER (the model folder has no tokenizer.json: train one with "
-                        "scripts/train_tokenizer.py --data_path CORPUS --format hf --vocab_size N, N at most the model's vocab_size)")
+                        "scripts/train_tokenizer.py --data_path CORPUS --format hf --vocab_size N, "
+                        "N at most the model's vocab_size)")
         print(f"continue pretraining from it (any layout):\n  {command}")
     else:
         out = export_hf_model(args.checkpoint_dir, args.hf_dir, args.dtype, parse_size(args.max_shard_size))

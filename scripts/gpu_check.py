@@ -245,8 +245,8 @@ def _run(args, start: float) -> int:
     deadline = start + budget
     ctx = make_ctx(args)
     selected = [row for row in ROWS if (not args.only or row[0] in args.only) and row[0] not in args.skip]
-    report = {"mode": "dry-cpu" if args.dry_cpu else ("cuda quick" if args.quick else "cuda"), "torch": torch.__version__,
-              "device_name": _device_name(args),
+    report = {"mode": "dry-cpu" if args.dry_cpu else ("cuda quick" if args.quick else "cuda"),
+              "torch": torch.__version__, "device_name": _device_name(args),
               "complete": False, "seconds": 0.0, "rows": []}
     path = json_path(args)
     status = 0

@@ -86,7 +86,8 @@ def row_ring_kernels(ctx: Ctx) -> dict:
                 errors[f"{str(dtype)[6:]}_cp{cp}{'_docs' if docs is not None else ''}"] = err
                 assert err < tol, f"ring kernels vs SDPA ({dtype}, cp {cp}, documents {docs is not None}): {err:.2e}"
     compiled = _compiled_ring_block(ctx)
-    return {"shape": f"{b}x{h}x{s}x{d}", "max_rel_err_fp32": f"{max(v for n, v in errors.items() if 'float32' in n):.1e}",
+    return {"shape": f"{b}x{h}x{s}x{d}",
+            "max_rel_err_fp32": f"{max(v for n, v in errors.items() if 'float32' in n):.1e}",
             "max_rel_err_bf16": f"{max(v for n, v in errors.items() if 'bfloat16' in n):.1e}", **compiled}
 
 

@@ -35,10 +35,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def row_bf16(ctx: Ctx) -> dict:
     """bf16 mixed precision, both ways the engine applies it: FSDP2's MixedPrecisionPolicy
     (parallelisms.data_parallel.apply_fsdp on the 1-rank mesh, as every launched run, one process
-    included) and bf16 autocast (engine.train.runner.StepContext, as a Trainer built without torchrun). Checks: compute in bf16 (the
-    projections output bf16), fp32 sharded master weights and gradients, loss within 2% and the
-    first block's gradient within 5% (relative L2) of the fp32 model with the same weights, but
-    not equal to it, and an optimizer step that changes the weights. Source: torch.distributed.fsdp.MixedPrecisionPolicy docs."""
+    included) and bf16 autocast (engine.train.runner.StepContext, as a Trainer built without
+    torchrun). Checks: compute in bf16 (the projections output bf16), fp32 sharded master weights
+    and gradients, loss within 2% and the first block's gradient within 5% (relative L2) of the fp32
+    model with the same weights, but not equal to it, and an optimizer step that changes the
+    weights. Source: torch.distributed.fsdp.MixedPrecisionPolicy docs."""
     from engine.train.runner import StepContext
     from parallelisms.data_parallel import apply_fsdp
 
@@ -127,8 +128,9 @@ def row_compile(ctx: Ctx) -> dict:
     assert loss_err < 1e-3 and worst < 1e-3, f"compiled vs eager: loss {loss_err:.2e}, worst gradient {worst:.2e}"
     eager_s = statistics.median(step(eager)[1] for _ in range(3))
     compiled_s = statistics.median(step(compiled)[1] for _ in range(3))
-    return {"blocks": args.n_layers, "graphs": frames, "compile_s": round(first_s, 1), "loss_rel_err": f"{loss_err:.1e}",
-            "grad_rel_err": f"{worst:.1e}", "eager_ms": round(eager_s * 1e3, 1), "compiled_ms": round(compiled_s * 1e3, 1)}
+    return {"blocks": args.n_layers, "graphs": frames, "compile_s": round(first_s, 1),
+            "loss_rel_err": f"{loss_err:.1e}", "grad_rel_err": f"{worst:.1e}",
+            "eager_ms": round(eager_s * 1e3, 1), "compiled_ms": round(compiled_s * 1e3, 1)}
 
 
 def row_mfu(ctx: Ctx) -> dict:
@@ -193,7 +195,8 @@ def row_mfu(ctx: Ctx) -> dict:
            "tflops": round(compute_tflops(flops_per_token, tokens_per_s), 1),
            "mfu_pct": None if mfu is None else round(mfu, 1)}
     if "matmul_tflops" in ctx.state:
-        out["mfu_vs_matmul_pct"] = round(100 * compute_tflops(flops_per_token, tokens_per_s) / ctx.state["matmul_tflops"], 1)
+        out["mfu_vs_matmul_pct"] = round(
+            100 * compute_tflops(flops_per_token, tokens_per_s) / ctx.state["matmul_tflops"], 1)
     if ctx.device.type == "cuda":
         out["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(ctx.device) / 2**30, 1)
     out["loss_first_last"] = f"{losses[0]:.3f}/{losses[-1]:.3f}"

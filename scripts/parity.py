@@ -49,8 +49,9 @@ def _args(argv):
                    "legal layout of engine/parity/layouts.py that fits --procs (default)")
     p.add_argument("--steps", type=int, default=5, help="optimizer steps per run (default %(default)s)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "fp64"), help="fp32: the config's "
-                   "dtypes, relative tolerance 1e-5 at step 1, 1e-4 after; fp64: every run in the float64 reference "
-                   "mode (training.mixed_precision_param/_reduce and optimizer.muon_ns_dtype = float64), tolerance 1e-12")
+                   "dtypes, relative tolerance 1e-5 at step 1, 1e-4 after; fp64: every run in the float64 "
+                   "reference mode (training.mixed_precision_param/_reduce and optimizer.muon_ns_dtype = float64), "
+                   "tolerance 1e-12")
     p.add_argument("--noise_floor", default="auto", choices=("auto", "on", "off"), help="judge layouts against "
                    "the reference's measured noise floor (engine/parity/noise.py: the reference retrained with its "
                    "sequences reordered and, on the CPU, on other kernels; a layout passes within 10x of it); "

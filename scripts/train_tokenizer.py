@@ -1,4 +1,5 @@
-"""Train a lossless BPE tokenizer (SentencePiece, or a Hugging Face tokenizer.json) on any dataset the data loader reads.
+"""Train a lossless BPE tokenizer (SentencePiece, or a Hugging Face tokenizer.json) on any dataset the
+data loader reads.
 
 Example (this made the bundled assets/tokenizer/shakespeare.model):
 
@@ -73,8 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--streaming", action="store_true", help="stream the dataset (large hub datasets)")
     p.add_argument("--max_documents", type=int, default=-1, help="read at most N documents (-1: all)")
     p.add_argument("--vocab_size", type=int, default=4096, help="number of pieces incl. specials and 256 bytes")
-    p.add_argument("--output", required=True, help="output prefix: writes PREFIX.model and PREFIX.vocab "
-                                                   "(--format hf: a folder, gets tokenizer.json + tokenizer_config.json)")
+    p.add_argument("--output", required=True,
+                   help="output prefix: writes PREFIX.model and PREFIX.vocab "
+                        "(--format hf: a folder, gets tokenizer.json + tokenizer_config.json)")
     p.add_argument("--format", choices=("sentencepiece", "hf"), default="sentencepiece",
                    help="sentencepiece (.model) or hf (a Hugging Face tokenizer.json)")
     p.add_argument("--input_sentence_size", type=int, default=200_000,

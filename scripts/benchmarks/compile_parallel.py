@@ -2,9 +2,9 @@
 parallel (cp 2, the ring attention as one opaque custom operator inside the compiled blocks) and
 expert parallel (ep 2 on the MoE debug model: attention, router and shared experts compiled, routing
 and all-to-all eager; parallelisms/compile.py), and ep 2 on DeepSeek-V3's debug model (MLA, the
-group-limited router and shared experts compiled, its dense block whole). Two processes each, interleaved rounds, medians of
-per-step ratios; inductor where a C++ compiler exists, else aot_eager. Compilation happens in the
-dropped warm-up steps.
+group-limited router and shared experts compiled, its dense block whole). Two processes each,
+interleaved rounds, medians of per-step ratios; inductor where a C++ compiler exists, else
+aot_eager. Compilation happens in the dropped warm-up steps.
 """
 
 from __future__ import annotations

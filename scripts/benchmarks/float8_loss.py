@@ -8,9 +8,10 @@ table from the runs' metrics.jsonl found there, without training.
 Trains train_configs/debug_model.toml with the suite's flavor debugmodel_tiny (every block linear
 float8: its dims are multiples of 16; the output head float32) from the same weights on the same
 batches: float32, float8 tensorwise and float8 rowwise (torchao, parallelisms/float8.py), at sequence
-length 64 to keep a run within minutes on a CPU (float8 casts and ``_scaled_mm`` are slow there). Prints each run's loss at a few steps and the band:
-the largest relative difference of float8's loss from float32's over all steps, and over the last 10
-steps' mean. engine/docs/float8.md quotes its output.
+length 64 to keep a run within minutes on a CPU (float8 casts and ``_scaled_mm`` are slow there).
+Prints each run's loss at a few steps and the band: the largest relative difference of float8's loss
+from float32's over all steps, and over the last 10 steps' mean. engine/docs/float8.md quotes its
+output.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ def train(steps: int, folder: str, overrides: dict) -> list[float]:
 
     argv = ["--job.config_file", os.path.join(REPO, "train_configs", "debug_model.toml"),
             "--job.dump_folder", folder, "--job.device", "cpu", "--training.steps", str(steps),
-            "--model.flavor", "debugmodel_tiny", "--training.seq_len", "64", "--validation.enable", "false", "--checkpoint.enable", "false",
-            "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false"]
+            "--model.flavor", "debugmodel_tiny", "--training.seq_len", "64", "--validation.enable", "false",
+            "--checkpoint.enable", "false", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false"]
     for key, value in overrides.items():
         argv += [f"--{key}", value]
     trainer = build_trainer(argv)

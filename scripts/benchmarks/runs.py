@@ -158,7 +158,8 @@ def engine_vs_bare_loop(argv: list[str], rounds: int, steps: int, warmup: int) -
 
         # Clipping alone, on the engine model's gradients: ours vs torch's (one process).
         tparams = [p for p in trainer.model_parts[0].parameters()]
-        trainer.runner.step([trainer.runner.context.shard(*trainer.dataloader.next_batch())], torch.tensor(float(labels.numel())))
+        trainer.runner.step([trainer.runner.context.shard(*trainer.dataloader.next_batch())],
+                            torch.tensor(float(labels.numel())))
         ours, torchs = [], []
         for r in range(rounds * steps * 4):
             for fn, sink in ((lambda: clip_grad_norm_(tparams, 1e9), ours),
