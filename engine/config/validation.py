@@ -54,7 +54,7 @@ def fault_tolerance_problems(ft, p) -> list[str]:
 def range_problems(cfg) -> list[str]:
     """Range and consistency checks; each entry is (bad?, key, value, rule and fix)."""
     t, o, s = cfg.training, cfg.optimizer, cfg.lr_scheduler
-    v, p, ac = cfg.validation, cfg.parallelism, cfg.activation_checkpoint
+    p, ac = cfg.parallelism, cfg.activation_checkpoint
     option = ac.selective_ac_option
     ac_ok = option in ("op", "op_all_matmuls") or (re.fullmatch(r"[0-9]+", option) is not None and int(option) > 0)
     checks: list[tuple[bool, str, Any, str]] = [
@@ -82,16 +82,7 @@ def range_problems(cfg) -> list[str]:
         (s.min_lr < 0, "lr_scheduler.min_lr", s.min_lr, "must be >= 0"),
         (o.lr > 0 and s.min_lr > o.lr, "lr_scheduler.min_lr", s.min_lr,
          f"must not exceed optimizer.lr = {o.lr}; set it in [0, optimizer.lr]"),
-        (v.enable and v.freq <= 0, "validation.freq", v.freq,
-         "must be > 0 steps when validation.enable = true"),
-        (v.steps == 0 or v.steps < -1, "validation.steps", v.steps,
-         "must be -1 (whole split) or a positive number of batches"),
-        (cfg.eval.enable and cfg.eval.freq <= 0, "eval.freq", cfg.eval.freq,
-         "must be > 0 steps when eval.enable = true"),
-        (cfg.eval.enable and not cfg.eval.tasks, "eval.tasks", cfg.eval.tasks,
-         "must name at least one task file when eval.enable = true (scripts/eval_task.py writes one)"),
-        (cfg.eval.limit == 0 or cfg.eval.limit < -1, "eval.limit", cfg.eval.limit,
-         "must be -1 (every example) or a positive number of examples per task"),
+        *evaluation_problems(cfg.validation, cfg.eval),
         (p.dp_shard == 0 or p.dp_shard < -1, "parallelism.dp_shard", p.dp_shard,
          "must be -1 (the rest of the world size) or >= 1"),
         (cfg.comm.init_timeout_seconds <= 0, "comm.init_timeout_seconds",
@@ -132,6 +123,21 @@ def range_problems(cfg) -> list[str]:
     checks += optimizer_problems(o) + loss_problems(cfg.loss, p)
     return ([f"{key} = {toml_value(value)}: {fix}" for bad, key, value, fix in checks if bad] + _mixture_problems(cfg)
             + fault_tolerance_problems(cfg.fault_tolerance, p) + _param_group_problems(o))
+
+
+def evaluation_problems(v, e) -> list[tuple[bool, str, Any, str]]:
+    """Range checks of ``[validation]`` (``v``) and ``[eval]`` (``e``), as :func:`range_problems`' entries."""
+    return [
+        (v.enable and v.freq <= 0, "validation.freq", v.freq,
+         "must be > 0 steps when validation.enable = true"),
+        (v.steps == 0 or v.steps < -1, "validation.steps", v.steps,
+         "must be -1 (whole split) or a positive number of batches"),
+        (e.enable and e.freq <= 0, "eval.freq", e.freq, "must be > 0 steps when eval.enable = true"),
+        (e.enable and not e.tasks, "eval.tasks", e.tasks,
+         "must name at least one task file when eval.enable = true (scripts/eval_task.py writes one)"),
+        (e.limit == 0 or e.limit < -1, "eval.limit", e.limit,
+         "must be -1 (every example) or a positive number of examples per task"),
+    ]
 
 
 def optimizer_problems(o) -> list[tuple[bool, str, Any, str]]:
