@@ -7,8 +7,8 @@ importing, so that one test says when a change breaks one:
 - models/ and parallelisms/ never import engine/;
 - engine/'s packages form layers (:data:`ENGINE_LAYERS`: which package may import which), so no
   import runs back up, and no engine modules import each other in a circle;
-- files under ~400 lines and functions under ~80 (:data:`MAX_FILE_LINES`, :data:`MAX_FUNCTION_LINES`,
-  with the justified exceptions listed in :data:`EXCEPTIONS`);
+- files under ~400 lines, functions under ~80 and lines within pyproject.toml's line-length: in
+  tests/test_house_sizes.py;
 - the torch-free list (:data:`TORCH_FREE`): what the launcher's pre-flight, the planner and the
   config tools import must import without torch, checked in a subprocess whose import system
   refuses ``torch``.
@@ -26,10 +26,6 @@ import pytest
 from tests.training_utils import REPO
 
 PACKAGES = ("engine", "models", "parallelisms")
-MAX_FILE_LINES = 400
-MAX_FUNCTION_LINES = 80
-# "path" or "path::function" -> why it may exceed the limit. Empty: no exception is needed today.
-EXCEPTIONS: dict[str, str] = {}
 
 # Modules that must import without torch (engine/docs/architecture.md, "Torch-free"): the launcher,
 # its pre-flight and everything that reaches (config, batch arithmetic, tokenizer, data checks,
@@ -55,7 +51,8 @@ ENGINE = os.path.join(REPO, "engine")
 MODELS = os.path.join(REPO, "models")
 
 
-def _python_files(folder: str) -> list[str]:
+def python_files(folder: str) -> list[str]:
+    """The ``.py`` files under ``folder``, recursively, as sorted paths."""
     out = []
     for root, _, names in os.walk(folder):
         out += [os.path.join(root, n) for n in names if n.endswith(".py")]
@@ -126,7 +123,7 @@ def family_violations(path: str, families: set[str], words: set[str]) -> list[st
 def test_engine_knows_no_model_family():
     families, words = _family_packages(), _family_words()
     assert {"llama", "moe"} <= families and {"llama", "moe", "mixtral"} <= words
-    found = [v for path in _python_files(ENGINE) for v in family_violations(path, families, words)]
+    found = [v for path in python_files(ENGINE) for v in family_violations(path, families, words)]
     assert not found, "engine/ must reach model families only through models/registry.py:\n" + "\n".join(found)
 
 
@@ -153,7 +150,7 @@ NEVER_IMPORTS = [("models", "engine"), ("parallelisms", "engine"), ("scripts", "
 @pytest.mark.parametrize("package, forbidden", NEVER_IMPORTS)
 def test_packages_never_import_the_ones_above_them(package, forbidden):
     found = []
-    for path in _python_files(os.path.join(REPO, package)):
+    for path in python_files(os.path.join(REPO, package)):
         with open(path, encoding="utf-8") as fh:
             tree = ast.parse(fh.read(), path)
         found += [f"{os.path.relpath(path, REPO)}:{line} imports {module}"
@@ -182,7 +179,7 @@ ENGINE_LAYERS: dict[str, set[str]] = {
 def _engine_modules(root: str) -> dict[str, str]:
     """{module name: file} of every module under ``root``/engine (a package by its ``__init__``)."""
     out = {}
-    for path in _python_files(os.path.join(root, "engine")):
+    for path in python_files(os.path.join(root, "engine")):
         parts = os.path.relpath(path, root)[:-len(".py")].split(os.sep)
         out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
@@ -298,36 +295,6 @@ def test_layering_check_catches(tmp_path):
     assert module_circles(str(tmp_path)) == [["engine.high.top", "engine.low.base"]]
     assert table_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set(), "e": {"a"}}) == ["a", "b", "c", "e"]
     assert table_circle(layers) == []
-
-
-def size_violations(path: str) -> list[str]:
-    """``path`` over :data:`MAX_FILE_LINES` lines, and its functions over :data:`MAX_FUNCTION_LINES`."""
-    rel = os.path.relpath(path, REPO)
-    with open(path, encoding="utf-8") as fh:
-        source = fh.read()
-    out = []
-    if source.count("\n") > MAX_FILE_LINES and rel not in EXCEPTIONS:
-        out.append(f"{rel}: {source.count(chr(10))} lines > {MAX_FILE_LINES}")
-    for node in ast.walk(ast.parse(source, path)):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            length = node.end_lineno - node.lineno + 1
-            if length > MAX_FUNCTION_LINES and f"{rel}::{node.name}" not in EXCEPTIONS:
-                out.append(f"{rel}:{node.lineno} {node.name}: {length} lines > {MAX_FUNCTION_LINES}")
-    return out
-
-
-def test_files_and_functions_stay_small():
-    found = [v for package in PACKAGES for path in _python_files(os.path.join(REPO, package))
-             for v in size_violations(path)]
-    assert not found, "split these (or list a justified exception in EXCEPTIONS):\n" + "\n".join(found)
-
-
-def test_size_check_catches(tmp_path):
-    long_function = "def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES
-    path = tmp_path / "big.py"
-    path.write_text(long_function + "\n" * MAX_FILE_LINES)
-    found = size_violations(str(path))
-    assert len(found) == 2 and "lines > 400" in found[0] and "f: 81 lines > 80" in found[1], found
 
 
 _BLOCK_TORCH = """
