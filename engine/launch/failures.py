@@ -26,6 +26,7 @@ GLIBC_MARKS = ("malloc(): ", "free(): ", "double free", "corrupted", "malloc_con
 FAULT_MARK = "Fatal Python error: "  # faulthandler's first line (then the stacks of every thread)
 TAIL_BYTES = 256 * 1024  # how much of the end of a rank's stderr is searched for its crash report
 REPORT_LINES = 60  # at most this many lines of a crash report are kept (the stacks, innermost first)
+GLIBC_LINES = 5  # glibc's lines are searched among this many lines before faulthandler's (or the file's end)
 
 
 def read_reasons(error_dir: str) -> dict[int, str]:
@@ -49,7 +50,8 @@ def crash_report(path: str | None) -> list[str]:
     lines; [] when the file is missing or holds neither.
 
     glibc writes its message without a newline, so faulthandler's first line may follow on the same
-    line: it is split off. Only the last :data:`TAIL_BYTES` of the file are read."""
+    line: it is split off. glibc's lines are those among the :data:`GLIBC_LINES` lines before
+    faulthandler's (the file's end without it). Only the last :data:`TAIL_BYTES` of the file are read."""
     if not path:
         return []
     try:
@@ -58,15 +60,18 @@ def crash_report(path: str | None) -> list[str]:
             text = f.read().decode(errors="replace")
     except OSError:
         return []
-    lines = text.replace(FAULT_MARK, "\n" + FAULT_MARK).splitlines()
+    # split off only where it follows other text: a blank line would take one of the GLIBC_LINES
+    lines = re.sub(f"([^\n]){re.escape(FAULT_MARK)}", lambda m: m[1] + "\n" + FAULT_MARK, text).splitlines()
     fault = max((i for i, line in enumerate(lines) if line.startswith(FAULT_MARK)), default=None)
     glibc_end = fault if fault is not None else len(lines)
-    glibc = [line.strip() for line in lines[max(0, glibc_end - 5):glibc_end]
+    glibc = [line.strip() for line in lines[max(0, glibc_end - GLIBC_LINES):glibc_end]
              if any(mark in line for mark in GLIBC_MARKS)]
     if fault is None:
         return glibc[:REPORT_LINES]
     sections: list[list[str]] = []  # one per thread; the crashing one ("Current thread") goes first
     section: list[str] | None = None
+    # (fault + 2 alike: faulthandler ends its first line with a blank one; lstrip for rstrip alike below:
+    # its header and first lines neither start nor end with blanks)
     for line in lines[fault + 1:]:
         if line.startswith(("Thread 0x", "Current thread")):
             section = [line.rstrip()]
@@ -111,6 +116,7 @@ def failure_cause(codes: dict[int, int], messages: dict[int, str], crashes: dict
     without a reason, is the root; a rank that only lost a peer (``PEER_FAILURE``) is collateral and
     named only when nothing else is known (a peer on another node failed first). ``crashes``:
     {global rank: :func:`crash_summary`}, appended after a colon to the root rank's phrase."""
+    # (any default not starting with PEER_FAILURE alike: no reason is no lost peer)
     died = {r: c for r, c in codes.items() if not messages.get(r, "").startswith(PEER_FAILURE)
             and c != -int(signal.SIGTERM)}
     if died:
