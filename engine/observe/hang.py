@@ -51,7 +51,7 @@ def hang_folder(run_folder: str, attempt: int) -> str:
 
 def attempt_number() -> int:
     """The attempt of this process: torchrun's ``TORCHELASTIC_RESTART_COUNT`` (0 without torchrun)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
 
 class HangWatchdog:
@@ -64,6 +64,8 @@ class HangWatchdog:
         exit: called with :data:`HANG_EXIT` after the records are written (``os._exit``; tests pass
             another callable).
         world_size: ranks whose records (``rank-R.txt``) are awaited before ``exit``.
+
+    The thread checks every ``min(1 s, timeout_s / 4)``: it fires at most that long after the timeout.
     """
 
     def __init__(self, timeout_s: float, run_folder: str, rank: int, exit=os._exit, world_size: int = 1):
@@ -74,6 +76,8 @@ class HangWatchdog:
         self._stop = threading.Event()
         self._thread = None
         if timeout_s > 0:
+            # daemon: a run that ends without close() must not wait for it; the name is only a label for a
+            # debugger (threading.enumerate, py-spy): faulthandler's stacks and every record go without it
             self._thread = threading.Thread(target=self._watch, name="quadra-hang-watchdog", daemon=True)
             self._thread.start()
 
@@ -89,7 +93,7 @@ class HangWatchdog:
         poll = min(1.0, self.timeout_s / 4)
         while not self._stop.wait(poll):
             idle = time.monotonic() - self._last
-            if idle > self.timeout_s:
+            if idle > self.timeout_s:  # (>= alike: a float clock is never exactly at the timeout)
                 try:
                     self._report(idle)
                     await_records(self.folder, self.world_size, RECORD_WAIT_S)
@@ -111,7 +115,7 @@ class HangWatchdog:
             f.write(f"rank {self.rank}: no progress for {idle:.1f} s in step {self._step} "
                     f"(comm.hang_timeout_seconds = {self.timeout_s:g}); stacks of every thread:\n")
             f.flush()
-            faulthandler.dump_traceback(file=f, all_threads=True)
+            faulthandler.dump_traceback(file=f, all_threads=True)  # (True is also its default)
         os.replace(path + ".txt.tmp", path + ".txt")
 
 
@@ -133,6 +137,7 @@ def recorded_ranks(folder: str) -> set[int]:
     (engine/launch/frozen.py)."""
     ranks = set()
     for path in glob.glob(os.path.join(folder, "rank-*.txt")) + glob.glob(os.path.join(folder, "rank-*.frozen")):
+        # (rpartition alike: the records written, rank-R.txt and rank-R.frozen, have one dot)
         name = os.path.basename(path)[5:].partition(".")[0]
         if name.isdigit():
             ranks.add(int(name))
@@ -143,6 +148,7 @@ def await_records(folder: str, world_size: int, timeout_s: float) -> None:
     """Wait until ``folder`` holds the records (:func:`recorded_ranks`) of ``world_size`` ranks, at
     most ``timeout_s`` seconds."""
     deadline = time.monotonic() + timeout_s
+    # (<= alike for the deadline: a float clock is never exactly at it)
     while len(recorded_ranks(folder)) < world_size and time.monotonic() < deadline:
         time.sleep(0.1)
 
@@ -168,7 +174,10 @@ def missing_ranks(folder: str) -> tuple[list[int], str, list[int]] | None:
             group = "/".join(map(str, entry.get("process_group", ["?"])))
             seq = int(entry.get("collective_seq_id", 0))
             mine = newest.setdefault(group, {})
+            # (> alike for >=: each collective of a group has its own collective_seq_id, and the p2p
+            # entries that repeat it are skipped; any negative start alike: sequence numbers are >= 0)
             if seq >= mine.get(rank, (-1,))[0]:
+                # (a missing time: 0 or 1 alike, both before any real time, Unix-epoch nanoseconds)
                 mine[rank] = (seq, int(entry.get("time_created_ns", 0)), str(entry.get("profiling_name", "?")))
     found = []
     for group, ranks in newest.items():
