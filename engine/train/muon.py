@@ -124,7 +124,7 @@ class _Owners:
     def owner(self, mesh, dims: tuple[int, ...]) -> tuple[int, ...]:
         key = (id(mesh), dims)
         index = self.count[key]
-        self.count[key] += 1
+        self.count[key] += 1  # (-= 1 alike: the same round robin backwards, on which every rank agrees)
         sizes = [mesh.size(d) for d in dims]
         coords = []
         for size in reversed(sizes):
@@ -140,6 +140,11 @@ def _orthogonalise_sharded(update: Tensor, param: Tensor, dims: tuple[int, ...],
     stays sharded), NS on the ``owner`` (its coordinates on ``dims``), broadcast along ``dims``, slice."""
     from torch.distributed.tensor import DTensor, Replicate
 
+    # Mutation testing: tests/test_muon_rules.py runs this on a one-rank mesh, where every placement and group is
+    # the identity; the placements, the non-owner's buffer and the broadcast groups are checked by the 4-process
+    # tests/test_muon_parallel.py (slow, outside the fast selection). Alike: redistribute(None, ...) (a DTensor's
+    # own mesh is the default); the non-owner's buffer in float32 (the wire is float32 for bf16 and float32 NS);
+    # its device (CPU here; it matters on a GPU).
     mesh, placements = _placements(param)
     whole_placements = [Replicate() if d in dims else pl for d, pl in enumerate(placements)]
     sharded = DTensor.from_local(update, mesh, placements, shape=param.shape, stride=param.stride())
@@ -151,9 +156,11 @@ def _orthogonalise_sharded(update: Tensor, param: Tensor, dims: tuple[int, ...],
         result = torch.empty(whole.to_local().shape, dtype=ns["dtype"], device=update.device)
     # bfloat16 travels as float32 (exact both ways): not every backend broadcasts bfloat16. Contiguous:
     # a tall matrix's result is a transposed view, which a collective would send in memory order.
+    # (float() of a float32 result is the identity; gloo broadcasts bf16 as is, a backend without bf16 would not)
     wire = (result.float() if result.dtype == torch.bfloat16 else result).contiguous()
     for d, c in zip(dims, owner):  # after dim d, every rank matching the owner on the later dims has it
         dist.broadcast(wire, group=mesh.get_group(d), group_src=c)
+    # (leaving the wire in float32 would be alike: it holds bf16 values exactly and add_ promotes anyway)
     result = DTensor.from_local(wire.to(ns["dtype"]), mesh, whole_placements, shape=param.shape,
                                 stride=whole.stride())
     return result.redistribute(mesh, placements).to_local()
@@ -179,11 +186,12 @@ def muon_group_step(group: dict, state, owners: _Owners) -> None:
             raise ValueError(f"Muon needs 2-D matrices or 3-D [experts, rows, cols] weights, got {tuple(p.shape)}")
         param_state = state[p]
         if "momentum_buffer" not in param_state:
+            # (preserve_format is zeros_like's default: omitting it is alike)
             param_state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
         grad, buf = _local(p.grad), _local(param_state["momentum_buffer"])
         buf.lerp_(grad, 1 - mu)
         update = grad.lerp(buf, mu) if group["nesterov"] else buf
-        dims = sharded_matrix_dims(p)
+        dims = sharded_matrix_dims(p)  # (a plain tensor has none; DTensors: see _orthogonalise_sharded)
         if dims:
             mesh, _ = _placements(p)
             ortho = _orthogonalise_sharded(update, p, dims, owners.owner(mesh, dims), ns)
