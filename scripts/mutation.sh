@@ -29,7 +29,7 @@ declare -A TESTS=(
   [engine/train/muon.py]="tests/test_muon_rules.py tests/test_muon.py"
   [engine/observe/goodput.py]="tests/test_goodput_rules.py tests/test_recovery_units.py
     tests/test_published_hparams.py::test_goodput_ledger_over_three_attempts_equals_a_hand_count"
-  [engine/observe/hang.py]="tests/test_recovery_units.py"
+  [engine/observe/hang.py]="tests/test_hang_rules.py tests/test_recovery_units.py"
   [engine/launch/failures.py]="tests/test_failure_rules.py tests/test_recovery_units.py tests/test_launch.py"
   [engine/train/downstream.py]="tests/test_downstream.py"
   [engine/observe/sinks.py]="tests/test_wandb.py"
