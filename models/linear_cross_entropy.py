@@ -42,7 +42,7 @@ def z_loss_token_sum(logits: torch.Tensor, labels: torch.Tensor, weight: float) 
     Args:
         logits: [N, V] (the tokens flattened); labels: LongTensor [N], -100 where a token has no label.
     """
-    return weight * (torch.logsumexp(logits, dim=-1).square() * (labels != IGNORE_INDEX)).sum()
+    return weight * (torch.logsumexp(logits, dim=-1).square() * (labels != IGNORE_INDEX)).sum()  # (dim=1: the same)
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -105,9 +105,11 @@ def _local_operands(hidden, weight):
     if mesh.ndim != 1 or not weight.placements[0].is_shard(0):
         raise ValueError(f"the output weight must be vocab-sharded on a 1-D tp mesh, got {weight.placements}")
     if not isinstance(hidden, DTensor):  # the same full sequence on every tp rank
+        # (equivalent: placements None is Replicate; run_check False is the default, True only adds a check)
         hidden = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)
     # Gathered to the full sequence (sequence parallel); this rank's gradient covers only its vocab
     # rows, so it goes back as a Partial and the redistribution's backward sums it over tp.
+    # (redistribute(None, ...) keeps the DTensor's own mesh, this one: equivalent)
     local_hidden = hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
     local_weight = weight.to_local()  # its gradient returns as the parameter's Shard(0)
     return local_hidden, mesh.get_group(), mesh.get_local_rank() * local_weight.shape[0], local_weight
@@ -121,6 +123,7 @@ def _fused_forward(hidden, weight, labels, chunk_tokens, group, vocab_start, wan
     local_labels = labels - vocab_start
     valid = labels != IGNORE_INDEX
     owned = (local_labels >= 0) & (local_labels < rows) & valid  # this rank's vocab rows
+    # any row index serves (1 too): its gathered logit is masked to 0 and its gradient subtracts owned = 0
     local_labels = local_labels.masked_fill(~owned, 0)
     acc = torch.promote_types(hidden.dtype, torch.float32)  # float64 in the float64 reference mode
     lse = torch.empty(n, dtype=acc, device=hidden.device)
@@ -165,10 +168,12 @@ class _WeightGradient(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, holder):
         ctx.holder = holder
+        # (dtype None, i.e. float32, is equivalent: a float32 zero added to a float64 loss leaves it float64)
         return torch.zeros((), dtype=torch.promote_types(weight.dtype, torch.float32), device=weight.device)
 
     @staticmethod
     def backward(ctx, grad_loss):
+        # (.to(None) is equivalent: autograd casts a gradient to its input's dtype itself)
         return _take(ctx.holder, "weight").mul_(grad_loss).to(ctx.holder["weight_dtype"]), None
 
 
@@ -181,7 +186,7 @@ def _chunk(hidden, weight, local_labels, owned, valid, target, group, z_loss_wei
     logits = F.linear(hidden, weight)  # [c, V_local] in the compute dtype (bf16 under autocast)
     probs = logits.to(torch.promote_types(logits.dtype, torch.float32))  # the same tensor when fp32 or fp64
     target.copy_(probs.gather(1, local_labels[:, None]).squeeze(1).masked_fill(~owned, 0.0))
-    peak = probs.amax(dim=-1, keepdim=True)
+    peak = probs.amax(dim=-1, keepdim=True)  # (here and below dim=1 is the same: probs is [c, V_local])
     total = probs.sub_(peak).exp_().sum(dim=-1)  # probs = exp(logits - peak)
     lse = peak.squeeze(1) + torch.log(total)
     if group is not None:
@@ -193,6 +198,7 @@ def _chunk(hidden, weight, local_labels, owned, valid, target, group, z_loss_wei
     if z_loss_weight:  # d(w lse^2)/d logits = 2 w lse softmax
         scale = scale * (1 + 2 * z_loss_weight * lse)
     probs.mul_(scale[:, None])
+    # (an arange on the CPU would index the same rows: device= only saves a host-to-device copy)
     probs[torch.arange(probs.shape[0], device=probs.device), local_labels] -= owned.to(probs.dtype)
     probs.mul_(valid[:, None])  # ignored tokens: no gradient
     grad_logits = probs.to(logits.dtype)
