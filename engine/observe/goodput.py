@@ -127,8 +127,9 @@ def ledger(state_dir: str | None, attempts: list[dict], launch_time: float, end_
     """(one record per attempt, the launch's summary) from the running totals ``attempts``.
 
     ``end`` is how the last attempt ended when no ``attempt-K.end.json`` says otherwise."""
-    records, totals = [], {"productive_s": 0.0, "retrained_s": 0.0, "checkpoint_s": 0.0, "evaluation_s": 0.0, "startup_s": 0.0,
-                           "recovery_s": 0.0, "retrained_steps": 0, "productive_steps": 0}
+    records = []
+    totals = {"productive_s": 0.0, "retrained_s": 0.0, "checkpoint_s": 0.0, "evaluation_s": 0.0,
+              "startup_s": 0.0, "recovery_s": 0.0, "retrained_steps": 0, "productive_steps": 0}
     for a in attempts:
         k = a["attempt"]
         finish = read_json_record(os.path.join(state_dir, f"attempt-{k}.end.json")) if state_dir else None

@@ -16,9 +16,10 @@ then, once every rank's record is there (or :data:`RECORD_WAIT_S` passed), exits
 :data:`HANG_EXIT`. Every rank's watchdog fires, the stuck one's too (the thread runs while its main
 thread sleeps or waits), within a poll of each other; a rank must not end before the others wrote:
 torchrun's agent stops every rank as soon as one exits, and the records the verdict compares would
-be lost (seen: only the sleeping rank's record, and the verdict "no rank progressed"). The launcher (engine/launch/elastic.py) compares the
-records with :func:`missing_ranks`: per process group, the ranks whose newest collective sequence
-number is below the others' never entered the collective the others wait in.
+be lost (seen: only the sleeping rank's record, and the verdict "no rank progressed"). The launcher
+(engine/launch/elastic.py) compares the records with :func:`missing_ranks`: per process group, the
+ranks whose newest collective sequence number is below the others' never entered the collective the
+others wait in.
 
 :func:`test_hook` holds the test suite's real faults (``QUADRA_TEST_FAULT``): a rank that sleeps instead
 of entering the step's first collective, a rank stopped (SIGSTOP: it writes no record; the launcher's
@@ -238,7 +239,8 @@ def _crash(kind: str) -> None:
     if kind == "segv":
         ctypes.string_at(0)
     libc = ctypes.CDLL(None)
-    libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
     block = libc.malloc(64)
     libc.free(block)
     libc.free(block)

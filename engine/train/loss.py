@@ -98,7 +98,8 @@ def model_loss(model, inputs: torch.Tensor, labels: torch.Tensor, global_tokens:
     return token_sum_loss(model(inputs, **model_kwargs), labels, global_tokens, z_loss=z_loss)
 
 
-def fused_stage_loss(token_sum: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor | float = 1.0) -> torch.Tensor:
+def fused_stage_loss(token_sum: torch.Tensor, labels: torch.Tensor,
+                     global_tokens: torch.Tensor | float = 1.0) -> torch.Tensor:
     """The pipeline's loss function when the last stage already returns the fused token sum:
     ``token_sum / global_tokens`` (``labels`` is the schedule's target, already used by the stage)."""
     return token_sum / global_tokens

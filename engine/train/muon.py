@@ -16,9 +16,10 @@ gradient gathered whole (``DTensor.full_tensor``, exact: it only concatenates), 
 by one *owner* rank, chosen round-robin by parameter among the ranks holding pieces of it (as
 Moonlight's Distributed Muon and TorchTitan's DistMuon spread the work), broadcast from the owner
 along each sharded mesh dim, and each rank keeps its own piece (a local slice, no communication).
-Replicated mesh dims (HSDP's replicas, DDP) repeat the work, as they repeat the whole step. Every piece-holder receives the whole matrix (an
-all-gather, where a gather to the owner would do; DTensor has no gather-to-one-rank for strided
-shards), so the traffic per matrix and dim is its size twice (engine/planner/optimizer_state.py). A 3-D
+Replicated mesh dims (HSDP's replicas, DDP) repeat the work, as they repeat the whole step. Every
+piece-holder receives the whole matrix (an all-gather, where a gather to the owner would do; DTensor
+has no gather-to-one-rank for strided shards), so the traffic per matrix and dim is its size twice
+(engine/planner/optimizer_state.py). A 3-D
 MoE expert weight ``[experts, rows, cols]`` is one matrix per expert; sharded only on the expert dim
 (expert parallel, FSDP across experts) each rank orthogonalises its own whole experts locally.
 """
