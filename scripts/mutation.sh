@@ -31,7 +31,7 @@ declare -A TESTS=(
     tests/test_published_hparams.py::test_goodput_ledger_over_three_attempts_equals_a_hand_count"
   [engine/observe/hang.py]="tests/test_hang_rules.py tests/test_recovery_units.py"
   [engine/launch/failures.py]="tests/test_failure_rules.py tests/test_recovery_units.py tests/test_launch.py"
-  [engine/train/downstream.py]="tests/test_downstream.py"
+  [engine/train/downstream.py]="tests/test_downstream_rules.py tests/test_downstream.py"
   [engine/observe/sinks.py]="tests/test_wandb.py"
 )
 modules=("$@")
