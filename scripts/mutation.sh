@@ -32,7 +32,12 @@ declare -A TESTS=(
   [engine/observe/hang.py]="tests/test_hang_rules.py tests/test_recovery_units.py"
   [engine/launch/failures.py]="tests/test_failure_rules.py tests/test_recovery_units.py tests/test_launch.py"
   [engine/train/downstream.py]="tests/test_downstream_rules.py tests/test_downstream.py"
-  [engine/observe/sinks.py]="tests/test_wandb.py"
+  # (test_wandb.py's launches run ./run_train.sh, which in mutmut's copy of the tree sets up a .venv without
+  # mutmut, where the mutated module cannot be imported: only its in-process tests)
+  [engine/observe/sinks.py]="tests/test_sinks_rules.py
+    tests/test_wandb.py::test_the_job_run_id_is_the_checkpoints_else_the_run_folders_else_a_fresh_one
+    tests/test_wandb.py::test_the_sink_rewinds_only_a_run_it_wrote_and_continues_where_the_server_refuses
+    tests/test_wandb.py::test_the_preflight_refuses_wandb_only_without_credentials"
 )
 modules=("$@")
 if [ ${#modules[@]} -eq 0 ]; then

@@ -34,7 +34,7 @@ def drop_records_from(path: str, step: int) -> list[int]:
     Returns the steps of the records dropped. A missing file, or nothing to drop, leaves it as is."""
     if not os.path.exists(path):
         return []
-    with open(path, encoding="utf-8") as file:
+    with open(path, encoding="utf-8") as file:  # (any ASCII-compatible encoding alike: json.dumps writes ASCII)
         lines = file.readlines()
     kept, dropped, torn = [], [], False
     for line in lines:
@@ -51,7 +51,7 @@ def drop_records_from(path: str, step: int) -> list[int]:
     if not dropped and not torn:
         return []
     tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as file:
+    with open(tmp, "w", encoding="utf-8") as file:  # (alike, as above)
         file.writelines(kept)
         file.flush()
         os.fsync(file.fileno())
@@ -80,7 +80,8 @@ def job_run_id(checkpoint_id: str | None, run_folder: str, dist_info) -> str:
         run_folder: ``job.dump_folder``; dist_info: the process's ``DistInfo`` (``rank``, ``is_distributed``).
     """
     path = os.path.join(run_folder, RUN_ID_FILE)
-    stored = read_run_id(path) if dist_info.rank == 0 else None  # rank 0 reads the file once
+    # rank 0 reads the file once (another rank's reading would change nothing: only rank 0's is used)
+    stored = read_run_id(path) if dist_info.rank == 0 else None
     if checkpoint_id:
         run_id = checkpoint_id
     else:
@@ -93,7 +94,7 @@ def job_run_id(checkpoint_id: str | None, run_folder: str, dist_info) -> str:
     if dist_info.rank == 0 and stored != run_id:
         os.makedirs(run_folder, exist_ok=True)
         tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as file:
+        with open(tmp, "w", encoding="utf-8") as file:  # (any encoding alike: run ids are [a-z0-9])
             file.write(run_id + "\n")
             file.flush()
             os.fsync(file.fileno())
@@ -104,7 +105,7 @@ def job_run_id(checkpoint_id: str | None, run_folder: str, dist_info) -> str:
 def read_run_id(path: str) -> str | None:
     """The run id in the file ``path`` (:data:`RUN_ID_FILE`), or None when it is missing or empty."""
     try:
-        with open(path, encoding="utf-8") as file:
+        with open(path, encoding="utf-8") as file:  # (any encoding alike: run ids are [a-z0-9])
             return file.read().strip() or None
     except FileNotFoundError:
         return None
@@ -200,7 +201,7 @@ class WandbSink:
                                " ".join(str(error).split()))
         if self.run is None:
             self.run = wandb.init(resume="allow", **settings)
-        self.step = -1
+        self.step = -1  # (any negative alike: steps are >= 0)
 
     def log(self, kind: str, record: dict[str, Any]) -> None:
         """The numbers of one metrics.jsonl record, as ``<kind>/<key>`` at the record's step."""
