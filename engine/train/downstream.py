@@ -106,7 +106,8 @@ class DownstreamEvaluation:
         for task in self.tasks:
             lls = [[next(flat) for _ in example.choices] for example in task.examples]
             scores = [score(example, ll) for example, ll in zip(task.examples, lls)]
-            results[task.name] = {metric: sum(s[metric] for s in scores) / len(scores) for metric in ("acc", "acc_norm")}
+            results[task.name] = {metric: sum(s[metric] for s in scores) / len(scores)
+                                  for metric in ("acc", "acc_norm")}
             results[task.name]["examples"] = float(len(scores))
             per_example[task.name] = lls
         return results, per_example
