@@ -98,7 +98,9 @@ class HangWatchdog:
                 try:
                     self._report(idle)
                     await_records(self.folder, self.world_size, RECORD_WAIT_S)
-                finally:  # the attempt ends even when the record cannot be written
+                except OSError as error:  # the attempt still ends, and says why this record is missing
+                    logger.error(f"rank {self.rank}: no hang record written to {self.folder}: {error}")
+                finally:
                     self._exit(HANG_EXIT)
                 return
 
