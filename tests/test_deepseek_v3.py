@@ -37,7 +37,12 @@ MODELS = {  # name: config extras
 
 
 def _hf_model(extra: dict, seed: int):
-    config = transformers.DeepseekV3Config(**SMALL, **extra)
+    return random_hf_model(transformers.DeepseekV3Config(**SMALL, **extra), seed)
+
+
+def random_hf_model(config, seed: int):
+    """transformers' DeepseekV3ForCausalLM of ``config`` in eval mode with random weights, random norms
+    and a random routing bias (seeded), so a wrong mapping of any of them shows."""
     torch.manual_seed(seed)
     model = transformers.DeepseekV3ForCausalLM(config)
     with torch.no_grad():  # random norms and routing bias too, so a wrong mapping would show

@@ -64,16 +64,9 @@ EXPORTED = "ep2_x_fsdp2"
 
 def _hf_model():
     """transformers' DeepseekV3ForCausalLM of :data:`CONFIG` in fp32, eval mode, random weights."""
-    config = transformers.DeepseekV3Config(**CONFIG)
-    torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(config)
-    with torch.no_grad():  # random norms and routing bias too, so a wrong mapping would show
-        for name, param in model.named_parameters():
-            param.normal_(1.0, 0.2) if "norm" in name else param.normal_(0.0, 0.1)
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.uniform_(0.0, 0.1)
-    return model.eval()
+    from tests.test_deepseek_v3 import random_hf_model
+
+    return random_hf_model(transformers.DeepseekV3Config(**CONFIG), 0)
 
 
 def _common(dcp_dir: str, tokenizer: str) -> dict:
