@@ -31,6 +31,9 @@ declare -A TESTS=(
     tests/test_published_hparams.py::test_goodput_ledger_over_three_attempts_equals_a_hand_count"
   [engine/observe/hang.py]="tests/test_hang_rules.py tests/test_recovery_units.py"
   [engine/launch/failures.py]="tests/test_failure_rules.py tests/test_recovery_units.py tests/test_launch.py"
+  [engine/launch/launcher.py]="tests/test_launcher_rules.py tests/test_launcher_launch_rules.py
+    tests/test_recovery_units.py tests/test_launch.py"
+  [engine/launch/replica_groups.py]="tests/test_replica_groups_rules.py tests/test_fault_tolerance.py"
   [engine/train/downstream.py]="tests/test_downstream_rules.py tests/test_downstream.py"
   # (test_wandb.py's launches run ./run_train.sh, which in mutmut's copy of the tree sets up a .venv without
   # mutmut, where the mutated module cannot be imported: only its in-process tests)
