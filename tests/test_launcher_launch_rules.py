@@ -257,3 +257,72 @@ def test_with_quadra_traceback_the_failure_is_raised_not_summarized(torchrun, mo
     with pytest.raises(torchrun.failed):
         launcher._launch(_cfg(), [], 0, 0.0)
     assert not torchrun.ledger and not os.path.exists(torchrun.error_dir)
+
+
+ENTRY = ["-m", "engine.train"]
+TAIL = ["--signals-to-handle=SIGHUP,SIGQUIT", *ENTRY]  # TERM, USR1 and INT are the launcher's own
+
+
+@pytest.mark.parametrize("env, nnodes, restarts, launch", [
+    ({}, 1, 0, ["--standalone", "--nnodes=1", "--nproc-per-node=2"]),
+    ({"LOG_RANKS": "0,1"}, 1, 3, ["--standalone", "--nnodes=1", "--nproc-per-node=2", "--local-ranks-filter=0,1"]),
+    ({"MASTER_ADDR": "h", "NODE_RANK": "1"}, 2, 0, [
+        "--nnodes=2", "--node-rank=1", "--nproc-per-node=2", "--rdzv-backend=static", "--master-addr=h",
+        "--master-port=29500"]),
+    ({"MASTER_ADDR": "h", "NODE_RANK": "0", "MASTER_PORT": "7"}, 3, 0, [
+        "--nnodes=3", "--node-rank=0", "--nproc-per-node=2", "--rdzv-backend=static", "--master-addr=h",
+        "--master-port=7"]),
+    ({"MASTER_ADDR": "h"}, (1, 3), 1, ["--nnodes=1:3", "--nproc-per-node=2", "--rdzv-backend=c10d",
+                                      "--rdzv-endpoint=h:29500", "--rdzv-id=quadra"]),
+    ({"MASTER_ADDR": "h", "MASTER_PORT": "9", "RDZV_ID": "job", "RDZV_CONF": "last_call_timeout=10"}, (2, 4), 0, [
+        "--nnodes=2:4", "--nproc-per-node=2", "--rdzv-backend=c10d", "--rdzv-endpoint=h:9", "--rdzv-id=job",
+        "--rdzv-conf=last_call_timeout=10"])])
+def test_torchruns_command_line_for_one_node_static_nodes_and_an_elastic_range(monkeypatch, env, nnodes, restarts,
+                                                                                launch):
+    for name in ("MASTER_ADDR", "NODE_RANK", "MASTER_PORT", "RDZV_ID", "RDZV_CONF", "LOG_RANKS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = launcher.torchrun_args(2, nnodes, ENTRY, restarts) if restarts else launcher.torchrun_args(2, nnodes, ENTRY)
+    assert args == [*launch, f"--max-restarts={restarts}", *TAIL]
+
+
+@pytest.mark.parametrize("env, nnodes, line", [
+    ({"MASTER_ADDR": "h"}, 2, "NNODES=2 needs MASTER_ADDR (the first node's address) and NODE_RANK (this node's "
+     "index, 0..1); set both on every node"),
+    ({"NODE_RANK": "0"}, 3, "NNODES=3 needs MASTER_ADDR (the first node's address) and NODE_RANK (this node's "
+     "index, 0..2); set both on every node"),
+    ({"MASTER_ADDR": "h", "NODE_RANK": "2"}, 2, "NODE_RANK=2 must be below NNODES=2; number the nodes 0..1"),
+    ({}, (1, 2), "NNODES=1:2 needs MASTER_ADDR (the address of the node that hosts the rendezvous, and must stay "
+     "up); set it on every node")])
+def test_a_node_setting_that_cannot_work_is_refused(monkeypatch, env, nnodes, line):
+    for name in ("MASTER_ADDR", "NODE_RANK", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(launcher._LaunchError) as error:
+        launcher.torchrun_args(2, nnodes, ENTRY)
+    assert str(error.value) == line
+
+
+def test_the_ranks_per_node_are_ngpu_else_the_gpus_else_2(monkeypatch):
+    monkeypatch.delenv("NGPU", raising=False)
+    assert (launcher._nproc_per_node(0), launcher._nproc_per_node(4)) == (2, 4)
+    monkeypatch.setenv("NGPU", "3")
+    assert launcher._nproc_per_node(8) == 3
+    monkeypatch.setattr(launcher.shutil, "which", lambda name: None)
+    monkeypatch.setattr(launcher.os.path, "exists", lambda path: False)
+    assert launcher._gpus_visible() == 0  # no driver: torch is not asked
+
+
+def test_with_gpus_the_fit_check_warns_and_the_device_is_cuda(stubbed, monkeypatch, capsys):
+    import engine.launch.dry_run as dry
+
+    monkeypatch.setattr(launcher, "_gpus_visible", lambda: 2)
+    monkeypatch.setattr(dry, "fit_warning", lambda cfg, world, gpus_per_node, setup: f"fit {world} {gpus_per_node}")
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")  # the user's setting stays
+    stubbed.cfg.job.device = "auto"
+    assert launcher.main([]) == 0 and stubbed.setups == [(2, "cuda", True)] and os.environ["OMP_NUM_THREADS"] == "5"
+    assert capsys.readouterr().err.splitlines()[-1] == "warning: fit 2 2"
+    monkeypatch.setattr(dry, "fit_warning", lambda *a, **k: None)
+    assert launcher.main([]) == 0 and "fit" not in capsys.readouterr().err

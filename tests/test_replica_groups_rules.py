@@ -167,11 +167,11 @@ def test_a_lighthouse_that_starts_late_is_waited_for_until_the_timeout(monkeypat
 
 
 def _fake_lighthouse(folder):
-    """A torchft_lighthouse that prints its arguments, then whether it leads a session of its own, and ends."""
+    """A torchft_lighthouse that prints its arguments, whether it leads a session of its own, a stderr line."""
     fake = folder / "torchft_lighthouse"
     folder.mkdir(parents=True, exist_ok=True)
     fake.write_text('#!/bin/sh\necho "$@"\nread -r stat < /proc/$$/stat\nset -- $stat\n'  # shell built-ins only
-                    '[ "$1" = "$6" ] && echo own-session || echo launchers-session\n')
+                    '[ "$1" = "$6" ] && echo own-session || echo launchers-session\necho its-stderr >&2\n')
     fake.chmod(0o755)
     return fake
 
@@ -189,7 +189,8 @@ def test_the_lighthouse_process_its_flags_and_its_log(monkeypatch, tmp_path):
     port = int(address.rsplit(":", 1)[1])
     assert address == f"http://{socket.gethostname()}:{port}"
     assert _printed(process, log) == ["--min_replicas", "3", "--bind", f"[::]:{port}", "--quorum_tick_ms", "100",
-                                      "--join_timeout_ms", "700", "--heartbeat_timeout_ms", "5000", "own-session"]
+                                      "--join_timeout_ms", "700", "--heartbeat_timeout_ms", "5000", "own-session",
+                                      "its-stderr"]
     log.unlink()  # the folder is there now: a second start reuses it; a quorum waits 1 s by default
     process, address = rg.start_lighthouse(1, str(log))
     assert _printed(process, log)[7] == "1000"

@@ -147,6 +147,7 @@ def launch_replica_groups(cfg, argv: list[str], nproc: int, nnodes: int) -> int:
         lighthouse, address = start_lighthouse(section.min_replica_size, os.path.join(cfg.run_folder, "lighthouse.log"))
         print(f"quadra: torchft lighthouse at {address} (min_replicas {section.min_replica_size}); "
               f"{section.group_size} replica groups of {per_group} ranks", file=sys.stderr, flush=True)
+        # (flush: sys.stderr is line-buffered since Python 3.9, so a mutant without it is equivalent)
     try:
         return run_groups(section, argv, per_group, address, lighthouse)
     finally:
