@@ -162,13 +162,19 @@ def test_the_first_ctrl_c_is_forwarded_and_the_second_kills_the_ranks(handlers, 
     assert sent[-1] == signal.SIGKILL and capsys.readouterr().err == ""
 
 
-def test_a_signal_goes_to_this_processs_children_only(tmp_path):
+def test_a_signal_goes_to_this_processs_children_only(monkeypatch):
+    """os.kill is recorded, never called: a mutant that picks other processes (``ppid != me``) must not signal
+    the machine's processes, it fails here instead."""
+    sent = []
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
+        monkeypatch.setattr(launcher.os, "kill", lambda pid, signum: sent.append((pid, signum)))
         launcher._kill_children(signal.SIGTERM)
-        assert child.wait(timeout=10) == TERM
+        monkeypatch.undo()
+        assert sent == [(child.pid, signal.SIGTERM)]
     finally:
         child.kill()
+        child.wait()
 
 
 @pytest.mark.parametrize("name, value, number", [
