@@ -64,6 +64,7 @@ def test_a_launch_that_passes_its_pre_flight_exits_with_torchruns_status(stubbed
     assert argv[-6:] == ["-m", "engine.train", "--a", "b", "--job.dry_run", "true"]
     assert "--nproc-per-node=3" in argv and "--max-restarts=2" in argv
     assert stubbed.setups == [(3, "cpu", True)] and os.environ["OMP_NUM_THREADS"] == str(max(1, os.cpu_count() // 3))
+    assert abs(launch_time - __import__("time").time()) < 60
     assert capsys.readouterr().err.splitlines() == ["warning: config says", "warning: setup says", "warning: cpu says"]
     monkeypatch.setenv("QUADRA_PREFLIGHT_DONE", "1")  # a replica group: its parent said the warnings
     assert launcher.main([]) == 7 and capsys.readouterr().err == ""
@@ -128,7 +129,8 @@ def test_a_dry_run_exits_with_its_own_status_and_starts_nothing(stubbed, monkeyp
 
     monkeypatch.setenv("NGPU", "4")
     monkeypatch.setenv("NNODES", "2")  # no MASTER_ADDR needed: no rendezvous
-    monkeypatch.setattr(dry, "dry_run", lambda cfg, world, gpus_per_node: (world, gpus_per_node) == (8, 4) and 5)
+    monkeypatch.setattr(dry, "dry_run", lambda cfg, world, gpus_per_node: (cfg, world, gpus_per_node) == (
+        stubbed.cfg, 8, 4) and 5)
     stubbed.cfg = _cfg(dry_run=True)
     assert launcher.main([]) == 5 and not stubbed.launches and not stubbed.setups
 
@@ -143,8 +145,9 @@ def test_a_replica_group_launch_exits_with_the_groups_status_or_2(stubbed, monke
     monkeypatch.setenv("NGPU", "4")
     stubbed.cfg = _cfg(ft=_ft())
     groups = []
-    monkeypatch.setattr(launcher, "launch_replica_groups", lambda cfg, argv, n, nodes: groups.append((n, nodes)) or 9)
-    assert launcher.main([]) == 9 and groups == [(4, 1)] and not stubbed.launches
+    monkeypatch.setattr(launcher, "launch_replica_groups", lambda cfg, argv, n, nodes: groups.append(
+        (cfg is stubbed.cfg, argv, n, nodes)) or 9)
+    assert launcher.main(["--x"]) == 9 and groups == [(True, ["--x"], 4, 1)] and not stubbed.launches
     assert stubbed.setups == [(2, "cpu", True)]  # the pre-flight of one group: NGPU / group_size ranks
 
     def refuse(*args):
@@ -191,7 +194,8 @@ def torchrun(monkeypatch):
 
     class Recovery:
         def __init__(self, *args, stop_requested):
-            seen.recovery, self.stop_requested, self.hang, self.stderr_files = args, stop_requested, seen.hang, {}
+            seen.recovery, self.stop_requested, self.hang = args, stop_requested, seen.hang
+            self.stderr_files = {"files": 1}
 
     def run_elastic(argv, recovery):
         seen.argv, seen.env, seen.stop = argv, dict(os.environ), recovery.stop_requested
@@ -208,6 +212,7 @@ def torchrun(monkeypatch):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     level = logging.getLogger("torch.distributed.elastic").level
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     yield seen
     logging.getLogger("torch.distributed.elastic").setLevel(level)
 
@@ -220,7 +225,10 @@ def test_a_run_that_ends_well_exits_0_and_leaves_no_error_folder(torchrun):
     assert {k: torchrun.env[k] for k in ("QUADRA_LAUNCH_TIME", "QUADRA_MAX_RESTARTS", "QUADRA_LAUNCHER")} == {
         "QUADRA_LAUNCH_TIME": "12.5", "QUADRA_MAX_RESTARTS": "3", "QUADRA_LAUNCHER": "1"}
     assert torchrun.env["TORCH_FR_BUFFER_SIZE"] and not os.path.exists(torchrun.error_dir)
-    assert not torchrun.ledger
+    assert not torchrun.ledger and os.path.basename(torchrun.error_dir).startswith("quadra-errors-")
+    import logging  # torchrun's per-rank ERROR logs are silenced: the launcher prints the reason
+
+    assert logging.getLogger("torch.distributed.elastic").level == logging.CRITICAL
 
 
 def test_a_failed_run_exits_with_the_ranks_status_and_is_in_the_ledger(torchrun, capsys):
@@ -257,6 +265,9 @@ def test_with_quadra_traceback_the_failure_is_raised_not_summarized(torchrun, mo
     with pytest.raises(torchrun.failed):
         launcher._launch(_cfg(), [], 0, 0.0)
     assert not torchrun.ledger and not os.path.exists(torchrun.error_dir)
+    import logging
+
+    assert logging.getLogger("torch.distributed.elastic").level == logging.WARNING  # torchrun's logs kept
 
 
 ENTRY = ["-m", "engine.train"]
@@ -318,11 +329,40 @@ def test_the_ranks_per_node_are_ngpu_else_the_gpus_else_2(monkeypatch):
 def test_with_gpus_the_fit_check_warns_and_the_device_is_cuda(stubbed, monkeypatch, capsys):
     import engine.launch.dry_run as dry
 
-    monkeypatch.setattr(launcher, "_gpus_visible", lambda: 2)
-    monkeypatch.setattr(dry, "fit_warning", lambda cfg, world, gpus_per_node, setup: f"fit {world} {gpus_per_node}")
+    import engine.setup.preflight as preflight
+
+    monkeypatch.setattr(launcher, "_gpus_visible", lambda: 3)  # NGPU unset: one rank per visible GPU
+    monkeypatch.setattr(dry, "fit_warning", lambda cfg, world, gpus_per_node, setup: (
+        cfg is stubbed.cfg and setup.warnings and f"fit {world} {gpus_per_node}"))
+    monkeypatch.setattr(preflight, "hardware_warnings", lambda cfg, device: [f"{device} says"])
     monkeypatch.setenv("OMP_NUM_THREADS", "5")  # the user's setting stays
     stubbed.cfg.job.device = "auto"
-    assert launcher.main([]) == 0 and stubbed.setups == [(2, "cuda", True)] and os.environ["OMP_NUM_THREADS"] == "5"
-    assert capsys.readouterr().err.splitlines()[-1] == "warning: fit 2 2"
+    assert launcher.main([]) == 0 and stubbed.setups == [(3, "cuda", True)] and os.environ["OMP_NUM_THREADS"] == "5"
+    assert capsys.readouterr().err.splitlines()[-2:] == ["warning: cuda says", "warning: fit 3 3"]
+    stubbed.cfg.job.device = "cpu"  # asked for: kept, GPUs or not
+    assert launcher.main([]) == 0 and stubbed.setups[-1] == (3, "cpu", True) and capsys.readouterr()
     monkeypatch.setattr(dry, "fit_warning", lambda *a, **k: None)
     assert launcher.main([]) == 0 and "fit" not in capsys.readouterr().err
+
+
+def test_the_defaults_cores_argv_and_the_device_a_cpu_gets(stubbed, monkeypatch):
+    """MAX_RESTARTS 0, argv from sys.argv, OMP_NUM_THREADS = cores // NGPU (1 where unknown), auto -> cpu; a
+    fixed layout on one node is not an elastic range; the status's inputs reach _launch."""
+    monkeypatch.setattr(launcher.sys, "argv", ["engine.launch", "--y"])
+    monkeypatch.setattr(launcher.os, "cpu_count", lambda: 7)
+    monkeypatch.setenv("NGPU", "3")
+    stubbed.cfg = _cfg(dp_shard=2)
+    stubbed.cfg.job.device = "auto"
+    assert launcher.main() == 0 and stubbed.argv == ["--y"] and stubbed.launches[0][2] == 0
+    assert os.environ["OMP_NUM_THREADS"] == "2" and stubbed.setups == [(3, "cpu", True)]
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setenv("NGPU", "1")
+    monkeypatch.setattr(launcher.os, "cpu_count", lambda: None)
+    assert launcher.main([]) == 0 and os.environ["OMP_NUM_THREADS"] == "1"
+
+
+def test_the_summary_gets_the_ranks_stderr_files(torchrun, monkeypatch):
+    torchrun.outcome = torchrun.failed({0: types.SimpleNamespace(exitcode=-6, local_rank=0)})
+    seen = []
+    monkeypatch.setattr(launcher, "_summarize_failure", lambda *args: seen.append(args) or 4)
+    assert launcher._launch(_cfg(), [], 0, 0.0) == 4 and seen[0][3] == {"files": 1}

@@ -14,7 +14,7 @@ import types
 import pytest
 
 from engine.launch import launcher
-from engine.launch.failures import PEER_FAILURE
+from engine.launch.failures import PEER_FAILURE, crash_report, crash_summary
 
 TERM = -int(signal.SIGTERM)
 
@@ -43,7 +43,8 @@ def test_a_second_ctrl_c_exits_130_whatever_the_ranks_said(tmp_path, capsys):
 
 @pytest.mark.parametrize("codes, status", [
     ({"r0": 2}, 2), ({"r0": 1}, 1), ({"r0": 3}, 3), ({"r0": TERM}, 1), ({"r0": -9}, 1), ({}, 1),
-    ({"r0": 1, "r1": 2}, 2), ({"r0": 3, "r1": 2}, 2), ({"r0": 3, "r1": 5}, 5), ({"r0": 4, "r1": TERM}, 4)])
+    ({"r0": 1, "r1": 2}, 2), ({"r0": 3, "r1": 2}, 2), ({"r0": 3, "r1": 5}, 5), ({"r0": 4, "r1": TERM}, 4),
+    ({"r0": 0}, 1)])
 def test_ranks_with_their_own_reason_exit_with_their_status_2_first(tmp_path, capsys, codes, status):
     """Every rank of ``codes`` wrote a reason; a signal or a missing code counts 1, and a 2 (set-up error) wins."""
     reasons = {int(k[1:]): f"training stopped: rank {k} broke\n" for k in codes} or {0: "training stopped: r0\n"}
@@ -113,8 +114,12 @@ def test_a_crash_report_without_stacks_or_a_positive_code_reads_no_report(tmp_pa
     line = capsys.readouterr().err.splitlines()[-1]
     assert line.startswith("quadra: rank 0 ended with signal SIGABRT: ") and "stacks" not in line
     assert line.endswith("; the other ranks were stopped")
-    assert _summarize(tmp_path, _error(r0=3), stderr_files={0: str(stderr)}) == 1  # an exit, not a signal
-    assert capsys.readouterr().err.startswith("quadra: rank 0 ended with exit status 3 (killed")
+    assert line == f"quadra: rank 0 ended with signal SIGABRT: {crash_summary(crash_report(str(stderr)))}; the other " \
+        "ranks were stopped"
+    for code in (3, 0):  # an exit, not a signal: no report
+        assert _summarize(tmp_path, _error(r0=code), stderr_files={0: str(stderr)}) == 1
+        assert capsys.readouterr().err.startswith(f"quadra: rank 0 ended with exit status {code} (killed")
+    assert _summarize(tmp_path, object(), {0: "a reason"}) == 1  # an error without failures: its reasons count
 
 
 def test_the_ranks_shown_are_log_ranks_or_all(monkeypatch):
@@ -186,7 +191,8 @@ def test_a_launch_number_is_read_or_defaulted(monkeypatch, name, value, number):
 
 @pytest.mark.parametrize("name, value, kind", [
     ("NGPU", "0", "positive"), ("NGPU", "-2", "positive"), ("NGPU", "two", "positive"), ("NGPU", "+2", "positive"),
-    ("NNODES", "1.5", "positive"), ("MAX_RESTARTS", "-1", "non-negative"), ("NODE_RANK", "x", "non-negative")])
+    ("NNODES", "1.5", "positive"), ("MAX_RESTARTS", "-1", "non-negative"), ("NODE_RANK", "x", "non-negative"),
+    ("NGPU", "\u00b2", "positive")])  # a digit to isdigit, not to int
 def test_a_launch_number_that_cannot_work_is_refused(monkeypatch, name, value, kind):
     monkeypatch.setenv(name, value)
     with pytest.raises(launcher._LaunchError, match=rf"^{name}={value!r} must be a {kind} integer; set {name} to "
@@ -205,3 +211,16 @@ def test_a_node_range_that_cannot_work_is_refused(monkeypatch, value):
     monkeypatch.setenv("NNODES", value)
     with pytest.raises(launcher._LaunchError, match=r"must be N or MIN:MAX with 1 <= MIN <= MAX, e.g. NNODES=2:4$"):
         launcher._nnodes()
+
+
+@pytest.mark.parametrize("smi, ctl, available, gpus", [
+    (None, False, True, 0), ("/bin/nvidia-smi", False, True, 3), (None, True, True, 3),
+    ("/bin/nvidia-smi", True, False, 0)])
+def test_torch_counts_the_gpus_only_where_a_driver_is(monkeypatch, smi, ctl, available, gpus):
+    import torch
+
+    monkeypatch.setattr(launcher.shutil, "which", lambda name: smi if name == "nvidia-smi" else None)
+    monkeypatch.setattr(launcher.os.path, "exists", lambda path: ctl and path == "/dev/nvidiactl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available if smi or ctl else 1 / 0)  # asked only there
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    assert launcher._gpus_visible() == gpus

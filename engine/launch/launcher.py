@@ -49,7 +49,7 @@ ABORT_EXIT = 130  # 128 + SIGINT, the shell's convention for a run interrupted b
 
 
 def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    print(line, file=sys.stderr, flush=True)  # (flush: stderr is line-buffered since Python 3.9: equivalent)
 
 
 def _env_int(name: str, default: int | None) -> int | None:
@@ -61,7 +61,7 @@ def _env_int(name: str, default: int | None) -> int | None:
     except ValueError:
         number = 0
     zero_ok = name in ("NODE_RANK", "MAX_RESTARTS")
-    if number < (0 if zero_ok else 1) or not value.strip().lstrip("-").isdigit():
+    if number < (0 if zero_ok else 1) or not value.strip().lstrip("-").isdigit():  # (negatives fail the < first)
         raise _LaunchError(f"{name}={value!r} must be a {'non-negative' if zero_ok else 'positive'} "
                            f"integer; set {name} to a number or leave it unset")
     return number
@@ -69,11 +69,11 @@ def _env_int(name: str, default: int | None) -> int | None:
 
 def _nnodes() -> tuple[int, int]:
     """``NNODES`` as (min, max) nodes: ``N`` is (N, N), ``MIN:MAX`` torchrun's elastic range."""
-    value = os.environ.get("NNODES", "")
+    value = os.environ.get("NNODES", "")  # (any default without ':' reads NNODES again)
     if ":" not in value:
         n = _env_int("NNODES", 1)
         return n, n
-    low, _, high = value.partition(":")
+    low, _, high = value.partition(":")  # (one ':' in a valid range: partition = rpartition)
     if not (low.isdigit() and high.isdigit()) or not 1 <= int(low) <= int(high):
         raise _LaunchError(f"NNODES={value!r} must be N or MIN:MAX with 1 <= MIN <= MAX, e.g. NNODES=2:4")
     return int(low), int(high)
@@ -115,7 +115,7 @@ def torchrun_args(nproc: int, nnodes: int | tuple[int, int], entry: list[str], m
     signals = "--signals-to-handle=SIGHUP,SIGQUIT"  # TERM, USR1 and INT are ours (see _Signals)
     low, nnodes = (nnodes, nnodes) if isinstance(nnodes, int) else nnodes
     if low < nnodes:
-        addr = os.environ.get("MASTER_ADDR", "")
+        addr = os.environ.get("MASTER_ADDR", "")  # (None or '': both refused)
         if not addr:
             raise _LaunchError(f"NNODES={low}:{nnodes} needs MASTER_ADDR (the address of the node that hosts the "
                                "rendezvous, and must stay up); set it on every node")
@@ -127,7 +127,7 @@ def torchrun_args(nproc: int, nnodes: int | tuple[int, int], entry: list[str], m
     elif nnodes == 1:
         launch = ["--standalone", "--nnodes=1", f"--nproc-per-node={nproc}"]
     else:
-        addr = os.environ.get("MASTER_ADDR", "")
+        addr = os.environ.get("MASTER_ADDR", "")  # (None or '': both refused)
         node_rank = _env_int("NODE_RANK", None)
         if not addr or node_rank is None:
             raise _LaunchError(f"NNODES={nnodes} needs MASTER_ADDR (the first node's address) and NODE_RANK "
@@ -177,7 +177,7 @@ def _kill_children(signum: int) -> None:
     for pid in pids:
         try:
             with open(f"/proc/{pid}/stat") as f:
-                ppid = f.read().rsplit(")", 1)[1].split()[1]
+                ppid = f.read().rsplit(")", 1)[1].split()[1]  # (comm may hold ')': the last one ends it)
         except (OSError, IndexError):
             continue
         if ppid == me:
@@ -219,7 +219,7 @@ def _summarize_failure(error, error_dir: str, signals: _Signals, stderr_files: d
         for text, ranks in grouped.items():
             _say(text if len(grouped) == 1 else f"[rank{','.join(map(str, ranks))}] {text}")
         # A rank that gave its reason may still be ended by torchrun's SIGTERM (a negative code).
-        statuses = [code if (code := codes.get(rank, 1)) > 0 else 1 for rank in own]
+        statuses = [code if (code := codes.get(rank, 1)) > 0 else 1 for rank in own]  # (> 1: 1 -> 1)
         return 2 if 2 in statuses else max(statuses)
     died = {rank: code for rank, code in codes.items()
             if rank not in messages and code != -int(signal.SIGTERM)}
@@ -229,7 +229,7 @@ def _summarize_failure(error, error_dir: str, signals: _Signals, stderr_files: d
             _say(f"quadra: rank {rank} ended with {how_it_ended(code)} (killed, out of memory, or a crash shown "
                  "above); the other ranks were stopped. Rerun with QUADRA_TRACEBACK=1 for every rank's traceback")
             continue
-        if not _rank_shown(getattr(failures.get(rank), "local_rank", None)):
+        if not _rank_shown(getattr(failures.get(rank), "local_rank", None)):  # (torchrun's failures have local_rank)
             for line in report:
                 _say(f"[rank{rank}] {line}")
         stacks = " (its stacks are above)" if any(line.startswith("Current thread") for line in report) else ""
@@ -242,7 +242,7 @@ def _summarize_failure(error, error_dir: str, signals: _Signals, stderr_files: d
 
 def _rank_shown(local_rank: int | None) -> bool:
     """Whether this local rank's output reached the terminal (``LOG_RANKS``, e.g. ``0,2``; unset: all)."""
-    ranks = os.environ.get("LOG_RANKS", "")
+    ranks = os.environ.get("LOG_RANKS", "")  # (None or '': all shown)
     return not ranks or local_rank is None or str(local_rank) in [r.strip() for r in ranks.split(",")]
 
 
@@ -396,4 +396,4 @@ def _launch(cfg, torchrun_argv: list[str], max_restarts: int, launch_time: float
         append_failed_launch(error_dir, cfg.run_folder, launch_time)  # the goodput ledger of the launch
         return status
     finally:
-        shutil.rmtree(error_dir, ignore_errors=True)
+        shutil.rmtree(error_dir, ignore_errors=True)  # (the folder is ours)
