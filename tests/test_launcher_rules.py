@@ -6,6 +6,8 @@ code); a second Ctrl-C exits 130; SIGTERM / SIGUSR1 / the first SIGINT are forwa
 
 from __future__ import annotations
 
+import io
+import os
 import signal
 import subprocess
 import sys
@@ -180,6 +182,27 @@ def test_a_signal_goes_to_this_processs_children_only(monkeypatch):
     finally:
         child.kill()
         child.wait()
+
+
+def test_children_are_read_from_proc_stat_whatever_their_names_and_vanishing_processes(monkeypatch):
+    """proc(5): ``pid (comm) state ppid ...``, where comm may hold ``) `` (the last ')' ends it); a
+    process that vanished before its stat was read, or an unreadable stat, is skipped, not the end."""
+    me = os.getpid()
+    stats = {"11": f"11 (evil) S 1) S {me} 1 1", "12": FileNotFoundError, "13": "", "14": f"14 (rank) S {me} 1",
+             "15": "15 (other) S 1 1"}
+
+    def fake_open(path, *args, **kwargs):
+        value = stats[path.split("/")[2]]
+        if isinstance(value, type):
+            raise value(path)
+        return io.StringIO(value)
+
+    sent = []
+    monkeypatch.setattr(launcher.os, "listdir", lambda path: ["self", *stats])
+    monkeypatch.setattr(launcher, "open", fake_open, raising=False)
+    monkeypatch.setattr(launcher.os, "kill", lambda pid, signum: sent.append((pid, signum)))
+    launcher._kill_children(signal.SIGUSR1)
+    assert sent == [(11, signal.SIGUSR1), (14, signal.SIGUSR1)]
 
 
 @pytest.mark.parametrize("name, value, number", [
