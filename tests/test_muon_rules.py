@@ -212,6 +212,8 @@ def test_sharded_path_on_a_one_rank_mesh_equals_the_plain_step(ns_dtype):
     on a matrix dim) on a one-rank gloo mesh, where every collective is the identity: the step is the plain
     tensors' step bit for bit."""
     import torch.distributed as dist
+
+    from engine.planner.real_plan import forget_meshes
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
@@ -241,6 +243,7 @@ def test_sharded_path_on_a_one_rank_mesh_equals_the_plain_step(ns_dtype):
                 assert torch.equal(p.detach(), q.detach().to_local()), (step, tuple(p.shape))
     finally:
         dist.destroy_process_group()
+        forget_meshes()  # DTensor's caches hold this mesh: a process forked later crashed clearing them
 
 
 def test_muon_alone_needs_no_adamw_group():
