@@ -71,7 +71,7 @@ class ModelSpec:
             "module:attribute" name (imported by :func:`load_ref` when first built).
         flavors: flavor name (`model.flavor`) -> ModelArgs instance.
         parallelize_plan: the family's `parallelisms.parallelize.ParallelizePlan`, or its
-            "module:attribute" name (e.g. `models.llama.parallelize:LLAMA_PLAN`): its tensor-parallel
+            "module:attribute" name (e.g. `models.common.parallelize:LLAMA_PLAN`): its tensor-parallel
             plan and, with routed experts, its `ExpertPlan`, as data; the shared driver
             (parallelisms/parallelize.py) applies TP/EP/CP/AC/compile/FSDP with it, in place.
             Pipeline stages are cut by the engine (parallelisms/pipeline.py) from the `layers` dict.
@@ -79,21 +79,21 @@ class ModelSpec:
             compile_enabled)` raising ValueError when `[parallelism]` cannot shard this model (e.g.
             heads not divisible by tp); must import no torch, since the launcher's pre-flight and
             every rank call it before building anything.
-        hf_adapter: a `models.hf.HFAdapter` (or its "module:attribute" name): config.json and weight
+        hf_adapter: a `models.common.hf.HFAdapter` (or its "module:attribute" name): config.json and weight
             names in both directions; None when the family has no Hugging Face equivalent.
-        param_shapes: `fn(model_args) -> list[models.planning.ParamSpec]`, every parameter with its
+        param_shapes: `fn(model_args) -> list[models.common.planning.ParamSpec]`, every parameter with its
             shape and placement under the family's plan, in module order (torch-free; the planner's
             per-rank bytes and the dry run's check against the real plan rest on it).
         flops_per_token: `fn(model_args, seq_len) -> float`, training FLOPs per token (forward +
             backward, PaLM App. B; active parameters only for MoE), torch-free, for the planner's MFU.
         ffn_width: `fn(model_args) -> int`, hidden width of a token's feed-forward activations (the
             planner's activation bytes; MoE: top_k routed + shared experts).
-        expert_routing: `fn(model_args) -> models.planning.ExpertRouting`, for families that route
+        expert_routing: `fn(model_args) -> models.common.planning.ExpertRouting`, for families that route
             tokens to experts (the planner's ep degrees and all-to-all bytes); None for dense ones.
-        attention_activations: `fn(model_args) -> models.planning.AttentionActivations`, what one
+        attention_activations: `fn(model_args) -> models.common.planning.AttentionActivations`, what one
             attention layer keeps for backward per token (the planner's activation bytes); None
-            means LLaMA's attention (``models.planning.gqa_attention_activations``).
-        ffn_activations: `fn(model_args, layer) -> models.planning.FeedForwardActivations`, what
+            means LLaMA's attention (``models.common.planning.gqa_attention_activations``).
+        ffn_activations: `fn(model_args, layer) -> models.common.planning.FeedForwardActivations`, what
             block ``layer``'s feed-forward keeps per token; None means every block is
             ``ffn_width`` wide and routes nothing.
         prediction_blocks: `fn(model_args) -> tuple[int, ...]`, the block (layer) ids of further

@@ -17,7 +17,7 @@ Causality is exact for any token placement: a query at global position i sees ke
 <= i. A rank's positions are contiguous runs ("chunks": one of S/cp tokens, or two of S/(2·cp) under
 the load-balanced split of parallelisms/context_parallel.py), so each (query chunk, key chunk) pair
 is entirely visible (kernel without mask), the diagonal (the kernel's causal mask) or invisible
-(skipped): no [S/cp, S/cp] mask or score tensor is built. With document ids (models/document_mask.py;
+(skipped): no [S/cp, S/cp] mask or score tensor is built. With document ids (models/common/document_mask.py;
 every rank holds those of the whole window) each block pair gets a block-causal additive mask
 [B, 1, S/cp, S/cp] instead (Llama 3 §3.2), and a pair with no visible (query, key) pair in any
 sequence of the batch is skipped.

@@ -111,7 +111,7 @@ def _compiled_vs_eager(eager, compiled, vocab_size: int, seq: int, device) -> tu
 def _compiled_ring_block(ctx: Ctx) -> dict:
     """A LLaMA model whose attention is the ring operator on the one-rank group, blocks compiled
     (inductor) vs eager: loss and gradients of one step."""
-    from models.llama.args import LlamaModelArgs
+    from models.common.args import LlamaModelArgs
     from parallelisms.compile import apply_compile
     from parallelisms.context_parallel import ContextParallel, apply_cp
 
@@ -131,7 +131,7 @@ def row_compile_moe(ctx: Ctx) -> dict:
     """See the module docstring. Source: torch.compile docs (fullgraph), parallelisms/compile.py."""
     from engine.setup.model_builder import materialize
     from models.moe.flavors import moe_flavors
-    from models.moe.model import MoETransformer
+    from models.common.moe_decoder import MoETransformer
     from parallelisms.compile import apply_compile
 
     seq = 64 if ctx.dry else 1024

@@ -102,7 +102,7 @@ def process_group(ctx: Ctx):
 
 def small_args(ctx: Ctx, seq_len: int):
     """LlamaModelArgs of the bf16 and compile rows: 4 blocks of width 1024 (dry: 2 of width 64)."""
-    from models.llama.args import LlamaModelArgs
+    from models.common.args import LlamaModelArgs
 
     if ctx.dry:
         return LlamaModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, max_seq_len=seq_len)
@@ -114,7 +114,7 @@ def mfu_args(ctx: Ctx):
     tied embeddings) or 1B (the engine's "1B" flavor, tied as released); a tiny shape when dry."""
     import dataclasses
 
-    from models.llama.args import LlamaModelArgs
+    from models.common.args import LlamaModelArgs
     from models.llama.flavors import llama3_flavors
 
     if ctx.dry:
@@ -132,7 +132,7 @@ def mfu_args(ctx: Ctx):
 def build_model(args, device: torch.device, seed: int = 0, parallelize=None):
     """Meta model → ``parallelize(model)`` → engine.setup.model_builder.materialize (to_empty + init)."""
     from engine.setup.model_builder import materialize
-    from models.llama.model import Transformer
+    from models.common.decoder import Transformer
 
     with torch.device("meta"):
         model = Transformer(args)
@@ -288,8 +288,8 @@ def row_flash(ctx: Ctx) -> dict:
     FlashAttention-2 (Dao 2023, arXiv 2307.08691)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from models.llama.args import LlamaModelArgs
-    from models.llama.model import Attention, precompute_rope
+    from models.common.args import LlamaModelArgs
+    from models.common.decoder import Attention, precompute_rope
 
     b, h, s, d = (1, 2, 64, 16) if ctx.dry else (2, 16, 2048, 128)
     gen = torch.Generator().manual_seed(0)
@@ -330,9 +330,9 @@ def row_grouped_mm(ctx: Ctx) -> dict:
     """MoE experts on ``torch._grouped_mm``: GroupedExperts in bf16 with uneven groups (one empty,
     none aligned to 16 rows) must call the grouped kernel and match the per-expert loop and an fp32
     loop in output and weight gradients; a whole MoE layer (router, sort, combine) must call it and
-    match its loop path. Also times the MoE layer both ways. Source: models/moe/layers.py."""
-    from models.moe.args import MoEModelArgs
-    from models.moe.layers import MoE, GroupedExperts, _grouped_mm_usable
+    match its loop path. Also times the MoE layer both ways. Source: models/common/moe.py."""
+    from models.common.moe_args import MoEModelArgs
+    from models.common.moe import MoE, GroupedExperts, _grouped_mm_usable
 
     if not hasattr(torch, "_grouped_mm"):
         raise RuntimeError(f"torch {torch.__version__} has no torch._grouped_mm")

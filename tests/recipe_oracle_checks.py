@@ -4,7 +4,7 @@ A model path is a registered family (models/registry.py) at its smallest flavor,
 multi-token prediction where a flavor has prediction blocks (``ModelSpec.prediction_blocks``). A loss
 path is a runner of engine/train/runner.py (the whole model, or the pipeline's stages) times the loss
 ``loss.chunk_tokens`` chooses (0: logits and engine/train/loss.py's ``token_sum_loss``; > 0: the fused
-loss of models/linear_cross_entropy.py). The models are built by the product's own recipe
+loss of models/common/linear_cross_entropy.py). The models are built by the product's own recipe
 (``check_setup`` then ``build_model_parts``, the ``[loss]`` and ``[float8]`` settings applied there),
 once per module (:class:`Builds`). The pipeline's stages run in this process in stage order: each
 gets the keyword inputs a schedule gives it and the last one's output goes through the run's stage
@@ -33,7 +33,7 @@ from engine.setup.preflight import check_setup
 from engine.train.documents import DocumentInputs
 from engine.train.loss import ZLoss, last_stage_loss
 from engine.train.runner import SingleRunner, StepContext
-from models.document_mask import document_ids
+from models.common.document_mask import document_ids
 from models.registry import get_model_spec, list_model_names
 from parallelisms.pipeline_tied import sum_tied_gradients
 from tests.test_deepseek_v3_mtp import WEIGHT as MTP_WEIGHT, _reference as mtp_reference

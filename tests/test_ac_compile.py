@@ -62,7 +62,7 @@ def test_backward_recomputes_the_checkpointed_blocks(mode, option, recomputed, f
     import torch
 
     from models import get_model_args
-    from models.llama.model import Transformer
+    from models.common.decoder import Transformer
     from parallelisms.activation_checkpoint import apply_activation_checkpointing
 
     def build():
@@ -107,7 +107,7 @@ def _forward_matmuls_in_backward(option: str) -> list[str]:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from models import get_model_args
-    from models.llama.model import Transformer
+    from models.common.decoder import Transformer
     from parallelisms.activation_checkpoint import apply_activation_checkpointing
 
     args = dataclasses.replace(get_model_args("llama", "debugmodel"), max_seq_len=16)

@@ -36,7 +36,7 @@ FP64 = {"training.mixed_precision_param": "float64", "training.mixed_precision_r
         "optimizer.lr": "6e-2"}
 QLORA = {"model.name": "deepseek_v3", "model.flavor": "debugmodel", **FP64}  # q latent + YaRN
 FULL_Q = {"model.name": "deepseek_v3", "model.flavor": "debugmodel_noqlora", **FP64}
-# Block-causal attention with RoPE restarting per document (models/document_mask.py); the data
+# Block-causal attention with RoPE restarting per document (models/common/document_mask.py); the data
 # paths are the documents corpus (fixture ``corpus``).
 DOCUMENTS = {**QLORA, "document_mask.enable": "true", "document_mask.restart_positions": "true"}
 # Two multi-token-prediction depths in the objective (models/deepseek_v3/mtp.py): under fsdp their

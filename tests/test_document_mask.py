@@ -1,4 +1,4 @@
-"""Document masking (models/document_mask.py): document ids from packed token ids, and the oracles of
+"""Document masking (models/common/document_mask.py): document ids from packed token ids, and the oracles of
 block-causal attention: a packed window trains exactly like its documents run alone (one process, fp32)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from models import get_model_args, get_model_spec
-from models.document_mask import document_attention, document_ids, document_positions
+from models.common.document_mask import document_attention, document_ids, document_positions
 from models.registry import load_ref
 
 BOS, EOS = 1, 2

@@ -186,7 +186,7 @@ def test_float8_tp_styles_replace_the_familys_on_float8_linears():
 
     from engine.planner.layout import Layout
     from engine.setup.model_builder import build_meta_model
-    from models.llama.parallelize import llama_tp_plan
+    from models.common.parallelize import llama_tp_plan
     from parallelisms.float8 import convert_to_float8, float8_tp_plan
 
     cfg = _cfg("--float8.enable", "true")

@@ -1,4 +1,4 @@
-"""The chunked, fused linear cross entropy (models/linear_cross_entropy.py) equals today's loss:
+"""The chunked, fused linear cross entropy (models/common/linear_cross_entropy.py) equals today's loss:
 ``F.cross_entropy`` over full logits (engine/train/loss.py ``token_sum_loss``).
 
 - the function itself, fp32: loss relative 1e-6, gradients of hidden states and weight 1e-5, with
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine.train.loss import token_sum_loss
-from models.linear_cross_entropy import linear_cross_entropy_sum
+from models.common.linear_cross_entropy import linear_cross_entropy_sum
 from engine.testing.processes import run_distributed
 from tests.training_utils import base_args, train_and_record
 
@@ -85,8 +85,8 @@ def test_bf16_matches_unfused_to_bf16_rounding(precision):
 
 def test_tied_embeddings_get_both_gradients():
     """The tied matrix's gradient is the embedding's plus the output's, as with full logits."""
-    from models.llama.args import LlamaModelArgs
-    from models.llama.model import Transformer
+    from models.common.args import LlamaModelArgs
+    from models.common.decoder import Transformer
 
     args = LlamaModelArgs(dim=32, n_layers=1, n_heads=4, vocab_size=VOCAB, max_seq_len=S, tie_embeddings=True)
     grads = []
@@ -108,7 +108,7 @@ def test_tied_embeddings_get_both_gradients():
 
 def test_evaluation_computes_no_gradients(monkeypatch):
     """Under no_grad (validation) only the log-sum-exp pass runs, and the value is the same."""
-    import models.linear_cross_entropy as lce
+    import models.common.linear_cross_entropy as lce
 
     hidden, weight, labels = _inputs()
     real, grads = lce._chunk, []
@@ -201,7 +201,7 @@ def test_z_loss_fused_equals_unfused_in_value_and_gradients():
     """PaLM's z-loss (weight x logsumexp^2 per label token) inside the chunked loss equals the unfused
     loss's at fp32 tolerance, value and both gradients, and the value is the formula's (fp64)."""
     from engine.train.loss import ZLoss, token_sum_loss
-    from models.linear_cross_entropy import linear_cross_entropy_sum
+    from models.common.linear_cross_entropy import linear_cross_entropy_sum
 
     weight_z = 0.01
     gen = torch.Generator().manual_seed(3)

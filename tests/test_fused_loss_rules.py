@@ -1,4 +1,4 @@
-"""models/linear_cross_entropy.py's rules beyond tests/test_fused_loss.py, each against the cross entropy
+"""models/common/linear_cross_entropy.py's rules beyond tests/test_fused_loss.py, each against the cross entropy
 and PaLM z-loss written in float64 from the logits (log-sum-exp minus the label's logit): float64 inputs
 summed in float64, logits of any scale, a frozen head or frozen hidden states, the z-loss callback,
 buffers on the inputs' device, one vocab shard's part of the sum, and the tensor-parallel entry
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.linear_cross_entropy import IGNORE_INDEX, _fused_forward, linear_cross_entropy_sum
+from models.common.linear_cross_entropy import IGNORE_INDEX, _fused_forward, linear_cross_entropy_sum
 
 B, S, DIM, V = 2, 9, 8, 10
 

@@ -65,8 +65,8 @@ def test_nccl_world_size_one_mesh_and_fsdp_bf16(monkeypatch):
     import torch.distributed as dist
 
     from engine.train.distributed import init_distributed, shutdown_distributed
-    from models.llama.args import LlamaModelArgs
-    from models.llama.model import Transformer
+    from models.common.args import LlamaModelArgs
+    from models.common.decoder import Transformer
     from parallelisms.data_parallel import apply_fsdp
     from parallelisms.parallel_dims import ParallelDims
 
@@ -122,7 +122,7 @@ def test_grouped_mm_experts_match_the_loop_in_bf16(grouped_mm_calls):
     """Uneven groups (one empty, none a multiple of 16 rows, so the CUDA padding is exercised):
     the grouped kernel runs and matches an fp32 per-expert loop in output and gradients; the empty
     expert gets a zero gradient."""
-    from models.moe.layers import GroupedExperts, _grouped_mm_usable
+    from models.common.moe import GroupedExperts, _grouped_mm_usable
 
     counts = torch.tensor([0, 37, 129, 5, 64, 200, 1, 77], device="cuda")
     experts = GroupedExperts(512, 256, len(counts)).cuda()
@@ -155,8 +155,8 @@ def test_grouped_mm_experts_match_the_loop_in_bf16(grouped_mm_calls):
 def test_moe_layer_under_autocast_uses_grouped_mm(grouped_mm_calls):
     """A one-process bf16 run: fp32 weights under autocast, which GroupedExperts casts for the
     grouped kernel itself; the layer's output matches its loop path."""
-    from models.moe.args import MoEModelArgs
-    from models.moe.layers import MoE
+    from models.common.moe_args import MoEModelArgs
+    from models.common.moe import MoE
 
     args = MoEModelArgs(dim=256, n_layers=1, n_heads=4, num_experts=8, top_k=2, moe_inter_dim=128,
                         n_shared_experts=1, score_func="sigmoid")
@@ -180,8 +180,8 @@ def test_flash_sdpa_runs_the_models_attention():
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.profiler import ProfilerActivity, profile
 
-    from models.llama.args import LlamaModelArgs
-    from models.llama.model import Attention, precompute_rope
+    from models.common.args import LlamaModelArgs
+    from models.common.decoder import Attention, precompute_rope
 
     args = LlamaModelArgs(dim=1024, n_layers=1, n_heads=8, n_kv_heads=2, max_seq_len=1024)
     attention = Attention(args).cuda()
@@ -244,13 +244,13 @@ def test_memory_snapshot_after_the_traced_steps(tmp_path):
 
 
 def test_flex_document_attention_matches_dense_without_an_s_by_s_matrix():
-    """Document masking on CUDA (models/document_mask.py): FlexAttention with a BlockMask gives the
+    """Document masking on CUDA (models/common/document_mask.py): FlexAttention with a BlockMask gives the
     dense block-causal SDPA's output and input gradients (fp32), skips the 128 x 128 tiles that no
     query sees (documents of 300 tokens: over 90 % of the causal tiles), and its forward + backward
     peak stays under the bytes of one S x S bool matrix (fp32 scores of one head would be 4 x that)."""
     import torch.nn.functional as F
 
-    from models.document_mask import attention_inputs, block_mask, document_attention, document_mask
+    from models.common.document_mask import attention_inputs, block_mask, document_attention, document_mask
 
     B, H, S, D = 1, 2, 8192, 64
     q, k, v = (torch.randn(B, H, S, D, device="cuda", requires_grad=True) for _ in range(3))

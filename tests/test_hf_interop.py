@@ -118,7 +118,7 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_llama3_rope_frequencies_equal_transformers():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from models.llama.model import rope_frequencies
+    from models.common.decoder import rope_frequencies
 
     for factor, original in ((8.0, 8192), (32.0, 8192), (8.0, 16)):  # Llama 3.1, 3.2, the tiny test model
         config = transformers.LlamaConfig(hidden_size=4096, num_attention_heads=32, rope_theta=500000.0, rope_scaling={

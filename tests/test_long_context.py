@@ -45,7 +45,7 @@ def test_past_max_seq_len_is_planned_with_one_warning_and_recorded(short_model, 
     Hugging Face export writes as max_position_embeddings) holds the trained length."""
     from engine.config import load_config
     from engine.setup.preflight import check_setup
-    from models.hf import common_config
+    from models.common.hf import common_config
     from models.registry import args_from_record
 
     cfg = load_config(base_args(str(tmp_path), {"model.args_path": short_model}))

@@ -12,8 +12,8 @@ import torch
 from models import ModelSpec, get_model_args, get_model_spec, register_model_spec
 from models.registry import load_ref
 from models.llama import LlamaModelArgs, Transformer
-from models.llama.args import ffn_hidden_dim
-from models.llama.parallelize import LLAMA_PLAN
+from models.common.args import ffn_hidden_dim
+from models.common.parallelize import LLAMA_PLAN
 
 
 def tiny_args(**overrides) -> LlamaModelArgs:

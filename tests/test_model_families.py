@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import models  # noqa: F401
-from models.hf import HFConfigError
+from models.common.hf import HFConfigError
 from models.registry import get_model_spec, list_model_names
 
 SEQ_LEN = 64

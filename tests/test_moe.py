@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from models import get_model_args
-from models.llama.checks import validate_llama_parallelism
-from models.moe.args import MoEModelArgs
+from models.common.checks import validate_llama_parallelism
+from models.common.moe_args import MoEModelArgs
 from models.moe.flavors import moe_flavors
-from models.moe.layers import MoE, capacity_keep_mask, combine_expert_outputs, sort_tokens_by_expert
-from models.moe.model import MoETransformer
+from models.common.moe import MoE, capacity_keep_mask, combine_expert_outputs, sort_tokens_by_expert
+from models.common.moe_decoder import MoETransformer
 from models.moe.checks import validate_moe_parallelism
 from parallelisms.expert_parallel import ExpertParallelError, regroup_by_local_expert
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
@@ -127,7 +127,7 @@ def test_moe_forward_equals_dense_reference(path, monkeypatch):
     if path == "loop":
         layer.experts.use_grouped_mm = False
     if path == "grouped_mm_padded":  # the CUDA layout: groups padded to 16 rows
-        monkeypatch.setitem(__import__("models.moe.layers").moe.layers._GROUPED_MM_ALIGN, "cpu", 16)
+        monkeypatch.setitem(__import__("models.common.moe").common.moe._GROUPED_MM_ALIGN, "cpu", 16)
     x = torch.randn(2, 8, TINY.dim)
     torch.testing.assert_close(layer(x), dense_reference(layer, x), rtol=1e-5, atol=1e-6)
 

@@ -1,4 +1,4 @@
-"""The rules of models/moe/layers.py that a one-line slip bends without a crash, each against an oracle written
+"""The rules of models/common/moe.py that a one-line slip bends without a crash, each against an oracle written
 here: the router token by token (softmax / sigmoid of the gate logits, top-k by biased score in descending order,
 gate weights from the unbiased scores; Mixtral arXiv 2401.04088, DeepSeek-V3 arXiv 2412.19437 §2.1.2), Python's
 stable sort, the per-expert SwiGLU loop, DeepSeek-V3's sequence-wise balance loss by hand (eq. 17-20) on whole
@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import models.moe.layers as layers
-from models.moe.layers import GroupedExperts, MoE, TokenChoiceRouter, sort_tokens_by_expert
+import models.common.moe as layers
+from models.common.moe import GroupedExperts, MoE, TokenChoiceRouter, sort_tokens_by_expert
 from tests.test_moe import TINY
 
 # 8 experts, 3 slots: enough that the slot order, the bias and the normalisation each change some token's answer.
@@ -267,7 +267,7 @@ def test_context_parallel_shares_add_up_to_the_whole_sequences(monkeypatch):
 
 
 def test_init_is_a_function_of_seed_and_name():
-    """Each weight is drawn from its own (seed, name) stream (models/init_utils.py): the same name gives the same
+    """Each weight is drawn from its own (seed, name) stream (models/common/init.py): the same name gives the same
     weights, another layer's name other weights; w1 ~ N(0, 0.02) whatever init_std, w2 and w3 ~ N(0, init_std)."""
     def build(prefix):
         layer = MoE(WIDE)

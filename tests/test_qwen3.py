@@ -323,7 +323,7 @@ def test_llama_and_mixtral_exports_refuse_qk_norm(name, flavor):
 
 
 def test_yarn_is_validated_and_named_past_the_trained_length():
-    """Qwen3's long-context YaRN (models/llama/rope.py): its settings are checked, and a run past the
+    """Qwen3's long-context YaRN (models/common/rope.py): its settings are checked, and a run past the
     trained length names it in its one warning (models/registry.py ``long_context_warning``)."""
     import dataclasses
 

@@ -36,7 +36,7 @@ def _plain_loop(local_batch_size: int, float8_recipe: str | None = None) -> list
     import torch.nn.functional as F
 
     from models import get_model_args
-    from models.llama.model import Transformer
+    from models.common.decoder import Transformer
 
     sp = spm.SentencePieceProcessor(model_file=os.path.join(REPO, "assets", "tokenizer", "shakespeare.model"))
     stream = []

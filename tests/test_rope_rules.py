@@ -1,4 +1,4 @@
-"""RoPE's rules (models/llama/rope.py, models/deepseek_v3/yarn.py) against oracles outside Quadra: transformers'
+"""RoPE's rules (models/common/rope.py, models/deepseek_v3/yarn.py) against oracles outside Quadra: transformers'
 RoPE initialisations (``ROPE_INIT_FUNCTIONS`` "default", "llama3", "yarn"; float32 there), the closed formulas
 (theta^(-2i/d); cos/sin of p * f_i times YaRN's attention factor, arXiv 2309.00071 eq. 22) and Meta's reference
 rotation (a complex product of each channel pair with e^(i p f), llama/model.py ``apply_rotary_emb``), computed
@@ -14,7 +14,7 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from models.llama.rope import apply_rope, precompute_rope, rope_frequencies, yarn_attention_factor, yarn_frequencies
+from models.common.rope import apply_rope, precompute_rope, rope_frequencies, yarn_attention_factor, yarn_frequencies
 
 # (head_dim, theta, factor, low_freq_factor, high_freq_factor, original): Llama 3.1 8B's published scaling (all
 # three bands: 8 kept, 36 blended... of 64 pairs), Llama 3.2's factor 32, and a short original context.

@@ -1,7 +1,7 @@
 """Which optimizer, learning rate and weight decay each parameter gets: ``optimizer.param_groups`` rules.
 
 Torch-free (names and shapes only), so the launcher's pre-flight refuses a rule that matches nothing
-before any rank starts, from the family's ``ParamSpec`` names (models/planning.py).
+before any rank starts, from the family's ``ParamSpec`` names (models/common/planning.py).
 
 A rule is one string ``"PATTERN [lr_mult=F] [weight_decay=F] [optimizer=muon|adamw]"``: PATTERN is an
 ``fnmatch`` pattern over canonical parameter names (``named_parameters`` without wrapper components,

@@ -1,8 +1,8 @@
 """The family adapter for a Hugging Face checkpoint, found through the model registry (torch-free).
 
-Each family's ``ModelSpec.hf_adapter`` (models/<family>/hf.py, built on models/hf.py) knows its
+Each family's ``ModelSpec.hf_adapter`` (models/<family>/hf.py, built on models/common/hf.py) knows its
 ``config.json`` fields, weight names and layouts; this module only picks the family and turns an
-adapter's refusal (``models.hf.HFConfigError``) into a one-line :class:`CheckpointError`.
+adapter's refusal (``models.common.hf.HFConfigError``) into a one-line :class:`CheckpointError`.
 engine/convert/hf.py does the file work.
 """
 
@@ -77,7 +77,7 @@ def args_for_weights(name: str, args, weight_names: set[str]):
 
 
 def weight_rules(name: str, args) -> list:
-    """The family's ``models.hf.Rule`` list: every weight with its Hugging Face source(s), in Hugging
+    """The family's ``models.common.hf.Rule`` list: every weight with its Hugging Face source(s), in Hugging
     Face's order.
 
     Raises:

@@ -22,7 +22,7 @@ def require_bos(bos_id: int) -> None:
     """Refuse ``[document_mask]`` for a tokenizer without a BOS token.
 
     Packing begins every document with BOS (engine/data/packing.py), so document boundaries are
-    found at BOS tokens (models/document_mask.py); without one there is nothing to mask at. Torch-
+    found at BOS tokens (models/common/document_mask.py); without one there is nothing to mask at. Torch-
     free: the launcher's pre-flight calls it before any rank starts.
 
     Args:

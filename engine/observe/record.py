@@ -17,7 +17,7 @@ What a rank writes to ``<run folder>/<record.folder>/rank-<r>.pt`` (``torch.save
   "counts": LongTensor [E] or None}``: a DTensor is stored as its local tensor with the dim it is
   sharded on over the tp mesh (``shard``) or whether it is a partial sum; ``counts`` is the
   per-group row count passed to modules whose forward is ``(rows grouped by expert, counts)``
-  (models/moe/layers.py ``GroupedExperts``), taken before expert parallel's dispatch.
+  (models/common/moe.py ``GroupedExperts``), taken before expert parallel's dispatch.
 - ``order``: module names in the order their first output was produced (forward order);
 - ``grads``: ``{param name: full gradient}`` (``DTensor.full_tensor()``), written by the rank whose
   dp, cp and tp local ranks are 0 (one per pipeline rank); ``grad_order``: parameter names in the

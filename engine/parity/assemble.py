@@ -17,7 +17,7 @@ together in this order:
    matching the samples' tokens (every rank records the [batch, seq] inputs of its microbatches);
 5. pipeline parallel: a module lives on one stage; names are the model's own FQNs on every stage.
 
-Rows grouped by expert (a module given ``(rows, counts)``, models/moe/layers.py ``GroupedExperts``)
+Rows grouped by expert (a module given ``(rows, counts)``, models/common/moe.py ``GroupedExperts``)
 have a layout-dependent order (each dp rank sorts its own tokens; expert parallel moves them); they
 are compared as per-expert row sums ``[num_experts, *features]`` (float64), which no order changes.
 Everything is assembled in float64. Gradients are whole already (``full_tensor`` on the ranks).

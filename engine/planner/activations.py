@@ -44,7 +44,7 @@ The last stage also keeps each other in-flight microbatch's logits and log-proba
 V/t]) until its backward; the first stage peaks, where its saved blocks are few (full AC), at the end
 of an earlier microbatch's backward: the embedding's weight gradient beside the later microbatches'
 blocks (:func:`embedding_backward_bytes`).
-The family describes its blocks torch-free (models/planning.py): the attention's saved tensors per
+The family describes its blocks torch-free (models/common/planning.py): the attention's saved tensors per
 token (``ModelSpec.attention_activations``, an ``AttentionActivations``: the 5d above is LLaMA's,
 ``gqa_attention_activations``; MLA keeps its latents on every tp rank and, on the CPU, where its
 value width differs from the query-key width, SDPA's math path keeps the softmax probabilities
@@ -56,7 +56,7 @@ value width differs from the query-key width, SDPA's math path keeps the softmax
 from __future__ import annotations
 
 from engine.planner.loss_memory import fused_loss_bytes
-from models.planning import FeedForwardActivations, gqa_attention_activations
+from models.common.planning import FeedForwardActivations, gqa_attention_activations
 
 
 def _tokens(layout) -> int:
@@ -65,7 +65,7 @@ def _tokens(layout) -> int:
 
 
 def attention_activations(layout):
-    """The family's ``models.planning.AttentionActivations`` for ``layout.model_args``
+    """The family's ``models.common.planning.AttentionActivations`` for ``layout.model_args``
     (``ModelSpec.attention_activations``; LLaMA's attention when the family gives none)."""
     spec = layout.model_spec
     fn = spec.get("attention_activations") if spec.attention_activations is not None else gqa_attention_activations
@@ -73,7 +73,7 @@ def attention_activations(layout):
 
 
 def ffn_activations(layout, layer: int | None = None) -> FeedForwardActivations:
-    """The family's ``models.planning.FeedForwardActivations`` of block ``layer``
+    """The family's ``models.common.planning.FeedForwardActivations`` of block ``layer``
     (``ModelSpec.ffn_activations``; else every block ``ModelSpec.ffn_width`` wide, nothing routed);
     ``layer`` None: the block that keeps the most (4·width + routed)."""
     spec, a = layout.model_spec, layout.model_args
@@ -314,7 +314,7 @@ FLEX_BLOCK = 128  # FlexAttention's default sparse block (tokens per side)
 
 
 def document_mask_bytes(layout, n_layers: int, in_flight: int) -> int:
-    """Bytes ``[document_mask]`` adds to a rank's peak (models/document_mask.py), with b sequences of
+    """Bytes ``[document_mask]`` adds to a rank's peak (models/common/document_mask.py), with b sequences of
     S tokens per microbatch, s = S / cp local tokens, ``n_layers`` blocks on the rank and
     ``in_flight`` microbatches alive:
 

@@ -24,7 +24,7 @@ FLOAT8_BYTES, SCALE_BYTES = 1, 4
 
 
 def is_float8_param(layout, spec) -> bool:
-    """Whether the parameter ``spec`` (a ``models.planning.ParamSpec``) is a float8 linear's weight."""
+    """Whether the parameter ``spec`` (a ``models.common.planning.ParamSpec``) is a float8 linear's weight."""
     f8 = layout.cfg.float8
     if not f8.enable or spec.expert or spec.norm or not spec.name.endswith(".weight"):
         return False

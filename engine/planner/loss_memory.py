@@ -1,5 +1,5 @@
 """Per-rank bytes of the loss phase with the fused, chunked linear cross entropy (``[loss] chunk_tokens``
-> 0; models/linear_cross_entropy.py), the planner's counterpart of the unfused ``head_peak_bytes``
+> 0; models/common/linear_cross_entropy.py), the planner's counterpart of the unfused ``head_peak_bytes``
 (engine/planner/activations.py).
 
 With T tokens per microbatch and rank, width h, vocabulary V over t = tp ranks, chunks of c tokens,

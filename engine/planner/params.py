@@ -1,7 +1,7 @@
 """Every parameter of a model with its placement on one rank, torch-free.
 
 The family lists its parameters and their tensor/expert-parallel placement (``ModelSpec.param_shapes``,
-e.g. models/llama/planning.py, as :class:`models.planning.ParamSpec`); this module shards them the
+e.g. models/common/shapes.py, as :class:`models.common.planning.ParamSpec`); this module shards them the
 way the parallelisms do. FSDP2 shards the TP-local tensor's dim 0 over ``dp_shard × cp``
 (parallelisms/data_parallel.py); routed experts (``ParamSpec.expert``) are ``Shard(0)`` over the
 ``ep`` mesh and FSDP-sharded over the remaining ``dp_shard·cp/ep`` ranks on dim 0, or dim 1 when the
@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from models.planning import ParamSpec  # noqa: F401  (re-exported: the planner's parameter record)
+from models.common.planning import ParamSpec  # noqa: F401  (re-exported: the planner's parameter record)
 
 
 def chunk_size(n: int, k: int, index: int) -> int:

@@ -1,6 +1,6 @@
 """The model's keyword inputs for ``[document_mask]``, derived per microbatch from its token ids.
 
-Each microbatch's document ids come from its token ids (models/document_mask.py): every rank that
+Each microbatch's document ids come from its token ids (models/common/document_mask.py): every rank that
 runs a model part has the microbatch's whole windows (the data loader gives each rank of a data-
 parallel group the same [B, S] batch), so the ids are computed where they are used and nothing new
 travels through the data pipeline, the checkpoints or the pipeline sends. They are handed to the
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from engine.data.tokenizer import require_bos
-from models.document_mask import document_ids, document_positions
+from models.common.document_mask import document_ids, document_positions
 
 
 def document_inputs(document_mask_cfg, bos_id: int, context_parallel=None) -> "DocumentInputs | None":

@@ -7,7 +7,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from models.linear_cross_entropy import z_loss_token_sum
+from models.common.linear_cross_entropy import z_loss_token_sum
 
 IGNORE_INDEX = -100  # label value that contributes neither loss nor a token to the count
 
@@ -80,7 +80,7 @@ def model_loss(model, inputs: torch.Tensor, labels: torch.Tensor, global_tokens:
 
     ``chunk_tokens > 0`` (``[loss] chunk_tokens``): the model fuses its output projection with the
     cross entropy over chunks of that many tokens and returns the token sum itself
-    (models/linear_cross_entropy.py); no [B, S, V] logits exist. 0: the model returns the logits and
+    (models/common/linear_cross_entropy.py); no [B, S, V] logits exist. 0: the model returns the logits and
     :func:`token_sum_loss` takes them. A model whose objective needs the labels beyond the next
     token (``model.needs_labels``, e.g. multi-token prediction) gets them either way and returns the
     token sum itself. Either way the result is the token sum / ``global_tokens``.

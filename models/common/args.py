@@ -43,8 +43,8 @@ class LlamaModelArgs:
             et al. 2024; Meta's reference `apply_scaling`): wavelengths above
             rope_original_max_seq_len / rope_low_freq_factor are divided by rope_scaling_factor,
             those below rope_original_max_seq_len / rope_high_freq_factor kept, those between
-            interpolated smoothly (see `models.llama.model.rope_frequencies`); or "yarn" (Peng et al.
-            2023, arXiv 2309.00071; Qwen3's long-context scaling, models/llama/rope.py
+            interpolated smoothly (see `models.common.decoder.rope_frequencies`); or "yarn" (Peng et al.
+            2023, arXiv 2309.00071; Qwen3's long-context scaling, models/common/rope.py
             ``yarn_frequencies``): factor rope_scaling_factor over rope_original_max_seq_len, ramp
             bounds rope_yarn_beta_fast / rope_yarn_beta_slow, tables times 0.1·ln(factor) + 1.
         rope_scaling_factor, rope_low_freq_factor, rope_high_freq_factor: its factors (Llama 3.1:

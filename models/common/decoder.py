@@ -18,11 +18,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.document_mask import attention_inputs, document_attention
-from models.init_utils import _init_tensor_, init_generator
-from models.linear_cross_entropy import linear_cross_entropy_sum
-from models.llama.args import LlamaModelArgs
-from models.llama.rope import apply_rope, precompute_rope, rope_frequencies
+from models.common.document_mask import attention_inputs, document_attention
+from models.common.init import _init_tensor_, init_generator
+from models.common.linear_cross_entropy import linear_cross_entropy_sum
+from models.common.args import LlamaModelArgs
+from models.common.rope import apply_rope, precompute_rope, rope_frequencies
 
 __all__ = [
     "Transformer", "TransformerBlock", "Attention", "FeedForward", "rope_frequencies", "precompute_rope", "apply_rope",
@@ -68,7 +68,7 @@ class Attention(nn.Module):
                 documents=None) -> torch.Tensor:
         """x: [B, S, dim]; cos/sin: [(B,) >= S, head_dim // 2] (rows for positions 0..); documents:
         None (causal), int [B, S_window] ids of the whole window (S_window = S except under context
-        parallel) or, on CUDA, their BlockMask (block-causal: models/document_mask.py). Returns [B, S, dim].
+        parallel) or, on CUDA, their BlockMask (block-causal: models/common/document_mask.py). Returns [B, S, dim].
 
         Raises:
             ValueError: the RoPE tables have fewer than S rows.
@@ -230,12 +230,12 @@ class Transformer(nn.Module):
             tokens: LongTensor [B, S] token ids if this part has tok_embeddings, else the float
                 hidden state [B, S, dim] from the previous pipeline stage.
             positions: LongTensor [S] RoPE positions of the S tokens, or [B, S] per sequence (e.g.
-                restarting at each document, models/document_mask.py); None means 0..S-1.
+                restarting at each document, models/common/document_mask.py); None means 0..S-1.
             documents: None for causal attention, or int [B, S_window] document ids of the whole
                 packed window (block-causal attention; under context parallel S_window = S · cp).
             labels: LongTensor [B, S] targets (-100: no label), or None. Given to a part with
                 `output`, the output projection and the cross entropy run fused, `loss_chunk_tokens`
-                tokens at a time (models/linear_cross_entropy.py), and no logits are returned.
+                tokens at a time (models/common/linear_cross_entropy.py), and no logits are returned.
         Returns:
             with `output`: the fp32 token-sum cross entropy (0-dim) if `labels` is given, else the
             logits [B, S, vocab_size]; without `output`: the hidden state [B, S, dim].

@@ -24,9 +24,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.init_utils import _init_tensor_, init_generator
-from models.llama.model import FeedForward, _init_linear, _trunc_normal
-from models.moe.args import MoEModelArgs
+from models.common.init import _init_tensor_, init_generator
+from models.common.decoder import FeedForward, _init_linear, _trunc_normal
+from models.common.moe_args import MoEModelArgs
 
 __all__ = [
     "sort_tokens_by_expert",

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # flavors stay importable without torch (the launcher's pre-flight)
     import torch.nn as nn
 
-from models.llama.args import LlamaModelArgs
+from models.common.args import LlamaModelArgs
 
 __all__ = ["MoEModelArgs"]
 

@@ -1,10 +1,10 @@
 """Mixture-of-experts LLaMA: the LLaMA-3 Transformer with MoE feed-forwards from layer n_dense_layers on.
 
-Everything but the feed-forward is LLaMA's (``models/llama/model.py``: attention with RoPE and GQA,
+Everything but the feed-forward is LLaMA's (``models/common/decoder.py``: attention with RoPE and GQA,
 RMSNorm, embeddings, output head, layout-independent init), so the layout rules hold unchanged:
 blocks in ``layers`` keyed "0".."L-1", ``tok_embeddings`` / ``norm`` / ``output`` may be None on
 pipeline stages. DeepSeek-V3 (arXiv 2412.19437) / Mixtral (arXiv 2401.04088) style; see
-``models/moe/layers.py`` for the layer itself.
+``models/common/moe.py`` for the layer itself.
 
 After each optimizer step the trainer calls ``post_optimizer_step()`` (when a model part has it):
 the MoE layers' token counts are summed over the ranks that saw different tokens, the load-balancing
@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from models.llama.model import Transformer, TransformerBlock
-from models.moe.args import MoEModelArgs
-from models.moe.layers import MoE
+from models.common.decoder import Transformer, TransformerBlock
+from models.common.moe_args import MoEModelArgs
+from models.common.moe import MoE
 
 __all__ = ["MoETransformer", "MoETransformerBlock"]
 
@@ -45,7 +45,7 @@ class MoETransformerBlock(TransformerBlock):
 class MoETransformer(Transformer):
     """LLaMA-3 Transformer with MoE blocks, or a pipeline stage of it.
 
-    Attributes set by the parallelize driver (through models/moe/parallelize.py ``MOE_PLAN``):
+    Attributes set by the parallelize driver (through models/common/moe_parallelize.py ``MOE_PLAN``):
     ``token_group``, the process group of the ranks whose tokens differ (data × context parallel;
     None on one process), over which the routing counts are summed.
 

@@ -25,7 +25,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInputOutput, RowwiseParallel
 
-from models.llama.parallelize import llama_tp_plan
+from models.common.parallelize import llama_tp_plan
 from parallelisms.parallelize import ExpertPlan, ParallelizePlan
 from parallelisms.tensor_parallel import ReplicateOnTP, TensorParallelPlan
 
@@ -34,7 +34,7 @@ __all__ = ["MOE_PLAN", "moe_tp_plan", "moe_layer_tp_plan"]
 
 def moe_tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -> TensorParallelPlan:
     """The tensor-parallel plan of an ``MoETransformer`` (or pipeline stage): each MoE layer's (see
-    the module docstring), then LLaMA's for the rest (models/llama/parallelize.py ``llama_tp_plan``).
+    the module docstring), then LLaMA's for the rest (models/common/parallelize.py ``llama_tp_plan``).
     """
     pairs = []
     for moe in model.moe_layers():

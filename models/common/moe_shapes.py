@@ -1,15 +1,15 @@
 """The MoE family as the layout planner sees it (torch-free): parameters, FLOPs, width, routing.
 
-Placements follow models/moe/parallelize.py: routed experts [E, dim, hidden] / [E, hidden, dim]
-(models/moe/layers.py ``GroupedExperts``) ``Shard(0)`` over the ``ep`` mesh and FSDP-sharded over the
+Placements follow models/common/moe_parallelize.py: routed experts [E, dim, hidden] / [E, hidden, dim]
+(models/common/moe.py ``GroupedExperts``) ``Shard(0)`` over the ``ep`` mesh and FSDP-sharded over the
 remaining ``dp_shard·cp/ep`` ranks; the router gate and, without ep, the experts replicated on tp;
 shared experts column/row-parallel like the dense feed-forward.
 """
 
 from __future__ import annotations
 
-from models.llama.planning import attention_flops_per_token, dense_feed_forward, transformer_param_shapes
-from models.planning import ExpertRouting, ParamSpec
+from models.common.shapes import attention_flops_per_token, dense_feed_forward, transformer_param_shapes
+from models.common.planning import ExpertRouting, ParamSpec
 
 __all__ = ["moe_param_shapes", "moe_flops_per_token", "moe_ffn_width", "moe_routing"]
 

@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from models.llama.model import FeedForward
+from models.common.decoder import FeedForward
 from parallelisms.parallelize import ParallelizePlan
 from parallelisms.tensor_parallel import ReplicateOnTP, TensorParallelPlan, VocabParallelEmbedding
 
@@ -54,7 +54,7 @@ def llama_tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: b
     embedding's DTensor (``apply_tp_plan`` keeps shared parameters shared).
 
     Blocks whose feed-forward is not LLaMA's ``FeedForward`` (an MoE layer) keep it out of the plan:
-    their family's plan shards it (models/moe/parallelize.py).
+    their family's plan shards it (models/common/moe_parallelize.py).
 
     Returns:
         (module, style or {sub-module name: style}) pairs: the model's embedding, final norm and

@@ -3,7 +3,7 @@
 A family lists its parameters as :class:`ParamSpec` (``ModelSpec.param_shapes``) and, when it routes
 tokens to experts, describes the routing as :class:`ExpertRouting` (``ModelSpec.expert_routing``);
 engine/planner/ turns them into per-rank bytes, communication and FLOPs without knowing the family.
-Placements follow the family's parallelize plan (e.g. models/llama/parallelize.py): ``tp_dim`` is
+Placements follow the family's parallelize plan (e.g. models/common/parallelize.py): ``tp_dim`` is
 the dim tensor parallel shards (0 for column-parallel ``Shard(0)`` of an [out, in] weight, 1 for
 row-parallel), ``expert`` marks routed-expert tensors [E, ...] sharded over ep on dim 0.
 """

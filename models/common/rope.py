@@ -1,6 +1,6 @@
 """Rotary position embedding (RoPE; Su et al. 2021, arXiv 2104.09864) with Llama 3.1's frequency
 scaling or YaRN's: the frequencies, the cos/sin tables and the rotation of queries and keys, as real tensors
-(no complex dtype: friendlier to DTensor and torch.compile). models/llama/model.py re-exports them.
+(no complex dtype: friendlier to DTensor and torch.compile). models/common/decoder.py re-exports them.
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
 """The LLaMA family as the layout planner sees it (torch-free): parameters, FLOPs, activation width.
 
-Placements follow models/llama/parallelize.py (Megatron-LM TP, arXiv 1909.08053: wq/wk/wv/w1/w3
+Placements follow models/common/parallelize.py (Megatron-LM TP, arXiv 1909.08053: wq/wk/wv/w1/w3
 column-parallel = ``Shard(0)`` of the [out, in] weight, wo/w2 row-parallel = ``Shard(1)``; the
 vocab-parallel embedding and the output head ``Shard(0)``; norms replicated). The helpers here are
-shared by the families built on this block (models/moe/planning.py).
+shared by the families built on this block (models/common/moe_shapes.py).
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from models.planning import ParamSpec
+from models.common.planning import ParamSpec
 
 __all__ = ["transformer_param_shapes", "dense_feed_forward", "llama_param_shapes", "attention_flops_per_token",
            "llama_flops_per_token", "llama_ffn_width"]

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch.nn as nn
 
-from models.moe.args import MoEModelArgs
+from models.common.moe_args import MoEModelArgs
 
 __all__ = ["DeepseekV3ModelArgs", "yarn_mscale"]
 

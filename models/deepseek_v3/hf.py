@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from models.hf import (HFAdapter, Rule, embedding_rule, head_rules, norm_rules, one, require, rope_scaling_of, same,
+from models.common.hf import (HFAdapter, Rule, embedding_rule, head_rules, norm_rules, one, require, rope_scaling_of, same,
                        validated_args, yarn_fields)
 from models.llama.hf import feed_forward_rules
 from models.moe.hf import stack_transposed, unstack_transposed

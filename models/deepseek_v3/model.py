@@ -1,7 +1,7 @@
 """DeepSeek-V3 (arXiv 2412.19437): the MoE Transformer with multi-head latent attention and
 group-limited sigmoid routing; single-device code that the parallelisms slice and shard.
 
-Everything else is the MoE model's (models/moe/model.py) and so LLaMA's: blocks in ``layers``
+Everything else is the MoE model's (models/common/moe_decoder.py) and so LLaMA's: blocks in ``layers``
 keyed "0".."L-1", ``tok_embeddings`` / ``norm`` / ``output`` may be None on pipeline stages, the
 fused output projection + cross entropy, per-name deterministic init, the routing statistics and
 the auxiliary-loss-free bias after each optimizer step. Block ``i < n_dense_layers``
@@ -25,13 +25,13 @@ import torch.nn as nn
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from models.document_mask import document_attention
-from models.llama.model import _init_linear, apply_rope
+from models.common.document_mask import document_attention
+from models.common.decoder import _init_linear, apply_rope
 from models.deepseek_v3.args import DeepseekV3ModelArgs
 from models.deepseek_v3.mtp import MTPModule, mtp_targets, token_sum_cross_entropy
 from models.deepseek_v3.yarn import deepseek_rope_tables
-from models.moe.layers import MoE, TokenChoiceRouter
-from models.moe.model import MoETransformer, MoETransformerBlock
+from models.common.moe import MoE, TokenChoiceRouter
+from models.common.moe_decoder import MoETransformer, MoETransformerBlock
 
 __all__ = ["DeepseekV3Transformer", "MLAttention", "RopeKey", "GroupLimitedRouter", "DeepseekV3MoE"]
 
@@ -266,7 +266,7 @@ class DeepseekV3Transformer(MoETransformer):
         """Σ cross entropy of the shared head on normed ``h`` (``token_sum_cross_entropy``, with the
         run's ``z_loss`` when given). Under
         tensor parallel the head is vocab-sharded: the fused loss is Megatron's vocab-parallel one
-        (models/linear_cross_entropy.py); the unfused loss takes vocab-sharded logits inside the
+        (models/common/linear_cross_entropy.py); the unfused loss takes vocab-sharded logits inside the
         runner's ``loss_parallel()`` and returns a Replicate DTensor."""
         return token_sum_cross_entropy(h, self.output.weight, targets, chunk_tokens, z_loss)
 

@@ -17,7 +17,7 @@ Positions are kept (S per depth): depth k sees the tokens rolled by k, and the l
 sequence, whose token t+k lies past the window, get no target (-100); causal attention keeps those
 wrapped tokens out of every earlier position. Under ``[document_mask]`` a position gets no target
 where token t+k begins or lies in another document than token t (the ids of
-models/document_mask.py), so no depth predicts across documents.
+models/common/document_mask.py), so no depth predicts across documents.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.llama.model import _init_linear
-from models.linear_cross_entropy import linear_cross_entropy_sum, z_loss_token_sum
+from models.common.decoder import _init_linear
+from models.common.linear_cross_entropy import linear_cross_entropy_sum, z_loss_token_sum
 
 __all__ = ["MTPModule", "mtp_targets", "token_sum_cross_entropy"]
 
@@ -87,7 +87,7 @@ def mtp_targets(labels: torch.Tensor, depth: int, documents: torch.Tensor | None
 def token_sum_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                             chunk_tokens: int, z_loss=None) -> torch.Tensor:
     """Σ cross entropy (fp32, nats) of ``h @ weight.T`` [B, S, V] against ``labels`` [B, S]: fused over
-    chunks of ``chunk_tokens`` tokens (models/linear_cross_entropy.py) when > 0, else on full logits
+    chunks of ``chunk_tokens`` tokens (models/common/linear_cross_entropy.py) when > 0, else on full logits
     (as engine/train/loss.py's unfused loss). ``z_loss`` (an object with ``weight`` and ``add``, the
     run's z-loss, or None): adds PaLM's ``weight * logsumexp(logits)^2`` per label token (Chowdhery
     et al. 2022, Sec. 5) and hands its token sum to ``z_loss.add``."""

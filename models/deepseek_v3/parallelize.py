@@ -1,6 +1,6 @@
 """DeepSeek-V3's part of the shared parallelize driver (parallelisms/parallelize.py).
 
-:data:`DEEPSEEK_V3_PLAN` gives the driver the MoE family's experts (models/moe/parallelize.py:
+:data:`DEEPSEEK_V3_PLAN` gives the driver the MoE family's experts (models/common/moe_parallelize.py:
 routed experts over ep, their FSDP units, the token / cp groups) and this tensor-parallel plan:
 
 - outside the blocks, the dense feed-forwards, the norms and each MoE layer: as LLaMA's and the MoE
@@ -25,8 +25,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                RowwiseParallel, SequenceParallel)
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from models.llama.parallelize import block_tp_plan, outer_tp_plan
-from models.moe.parallelize import MOE_PLAN, moe_layer_tp_plan
+from models.common.parallelize import block_tp_plan, outer_tp_plan
+from models.common.moe_parallelize import MOE_PLAN, moe_layer_tp_plan
 from parallelisms.parallelize import ParallelizePlan
 from parallelisms.tensor_parallel import ReplicateOnTP, TensorParallelPlan
 

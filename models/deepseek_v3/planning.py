@@ -2,7 +2,7 @@
 
 Placements follow models/deepseek_v3/parallelize.py: MLA's per-head projections wq / wq_b and wkv_b
 column-parallel (``tp_dim`` 0), wo row-parallel (1); the latents wq_a, wkv_a replicated on tp and
-their RMSNorms (``norm``) too; the feed-forwards as the MoE family's (models/moe/planning.py): routed
+their RMSNorms (``norm``) too; the feed-forwards as the MoE family's (models/common/moe_shapes.py): routed
 experts over ep, the router replicated, shared experts and dense layers column/row-parallel.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from models.moe.planning import _moe_feed_forward, moe_ffn_width, moe_routing
-from models.planning import AttentionActivations, ExpertRouting, FeedForwardActivations, ParamSpec
+from models.common.moe_shapes import _moe_feed_forward, moe_ffn_width, moe_routing
+from models.common.planning import AttentionActivations, ExpertRouting, FeedForwardActivations, ParamSpec
 
 __all__ = ["deepseek_v3_param_shapes", "deepseek_v3_flops_per_token", "deepseek_v3_ffn_width",
            "deepseek_v3_routing", "deepseek_v3_attention_activations",
@@ -83,7 +83,7 @@ def deepseek_v3_flops_per_token(args, seq_len: int) -> float:
 
 
 def deepseek_v3_ffn_width(args) -> int:
-    """top_k routed copies plus the shared experts' width (models/moe/planning.py ``moe_ffn_width``)."""
+    """top_k routed copies plus the shared experts' width (models/common/moe_shapes.py ``moe_ffn_width``)."""
     return moe_ffn_width(args)
 
 
@@ -125,11 +125,11 @@ def deepseek_v3_prediction_blocks(args) -> tuple[int, ...]:
 
 def deepseek_v3_ffn_activations(args, layer: int) -> FeedForwardActivations:
     """``ModelSpec.ffn_activations`` of block ``layer``: a dense block's SwiGLU (``ffn_hidden_size``);
-    an MoE block's top_k routed and shared experts' SwiGLU (models/moe/planning.py
+    an MoE block's top_k routed and shared experts' SwiGLU (models/common/moe_shapes.py
     ``moe_ffn_width``) and, kept on every rank, the routed copies of the token at the experts'
     input and output and in the weighted sum (3·top_k·dim), the token's input kept for the
     combine (dim), the sigmoid scores (E) and the top-k weights and int64 indices (about 4·top_k
-    + 4 elements); the tensors torch's autograd saves in one CPU forward of models/moe/layers.py."""
+    + 4 elements); the tensors torch's autograd saves in one CPU forward of models/common/moe.py."""
     if not args.is_moe_layer(layer):
         return FeedForwardActivations(args.ffn_hidden_dim)
     k = args.top_k

@@ -5,7 +5,7 @@ makes their 131,072 positions (and a context extended past them) meaningful."""
 
 from __future__ import annotations
 
-from models.llama.args import LlamaModelArgs
+from models.common.args import LlamaModelArgs
 
 __all__ = ["llama3_flavors"]
 

@@ -1,12 +1,12 @@
 """Hugging Face ``model_type = "llama"`` (Llama-2, Llama-3, 3.1, 3.2: GQA, tied embeddings, ``llama3``
-RoPE scaling) <-> the LLaMA family (:class:`models.llama.args.LlamaModelArgs`), torch-free to import.
+RoPE scaling) <-> the LLaMA family (:class:`models.common.args.LlamaModelArgs`), torch-free to import.
 
-Weight names map one to one (models/hf.py: the q/k permutation of RoPE's pair order, the tied head).
+Weight names map one to one (models/common/hf.py: the q/k permutation of RoPE's pair order, the tied head).
 """
 
 from __future__ import annotations
 
-from models.hf import (HFAdapter, Rule, attention_rules, common_args, common_config,
+from models.common.hf import (HFAdapter, Rule, attention_rules, common_args, common_config,
                        embedding_rule, head_rules, norm_rules, one, require, same, validated_args)
 
 __all__ = ["LLAMA_HF_ADAPTER"]
@@ -19,7 +19,7 @@ def args_from_config(config: dict, where: str = "config.json"):
         HFConfigError: a feature Quadra's LLaMA lacks (biases, another activation, head_dim !=
             hidden_size / heads, another RoPE scaling) or a missing field, naming it.
     """
-    from models.llama.args import LlamaModelArgs
+    from models.common.args import LlamaModelArgs
 
     return validated_args(lambda: LlamaModelArgs(**common_args(config, where)), where)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from models.moe.args import MoEModelArgs
+from models.common.moe_args import MoEModelArgs
 
 __all__ = ["moe_flavors"]
 

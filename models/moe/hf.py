@@ -1,4 +1,4 @@
-"""Hugging Face ``model_type = "mixtral"`` <-> the MoE family (:class:`models.moe.args.MoEModelArgs`),
+"""Hugging Face ``model_type = "mixtral"`` <-> the MoE family (:class:`models.common.moe_args.MoEModelArgs`),
 torch-free to import.
 
 Mixtral (Jiang et al. 2024, arXiv 2401.04088): softmax top-k routing renormalized over the chosen
@@ -11,7 +11,7 @@ one [hidden, dim] / [dim, hidden] matrix per expert (``nn.Linear`` layout); Quad
 
 from __future__ import annotations
 
-from models.hf import (HFAdapter, HFConfigError, Rule, attention_rules, common_args, common_config,
+from models.common.hf import (HFAdapter, HFConfigError, Rule, attention_rules, common_args, common_config,
                        embedding_rule, head_rules, norm_rules, one, require, same, validated_args)
 
 __all__ = ["MIXTRAL_HF_ADAPTER"]
@@ -27,7 +27,7 @@ def args_from_config(config: dict, where: str = "config.json"):
     Raises:
         HFConfigError: a feature Quadra's MoE lacks (sliding window, biases, ...) or a missing field.
     """
-    from models.moe.args import MoEModelArgs
+    from models.common.moe_args import MoEModelArgs
 
     def make() -> MoEModelArgs:
         common = common_args(config, where)

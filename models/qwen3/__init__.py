@@ -2,10 +2,10 @@
 
 Everything about the family is here: arguments and flavors (args.py, flavors.py), start-up checks
 (checks.py), the Hugging Face adapters (hf.py: config.json <-> arguments, weight names and the
-q/k/QK-norm permutations of models/hf.py), and the planner's parameter shapes, FLOPs per token,
+q/k/QK-norm permutations of models/common/hf.py), and the planner's parameter shapes, FLOPs per token,
 feed-forward width and expert routing (planning.py). The modules and parallelize plans are
 LLaMA's and the MoE model's, which take QK-norm and a free head width as options
-(models/llama/args.py ``qk_norm``, ``head_size``).
+(models/common/args.py ``qk_norm``, ``head_size``).
 """
 
 from models.qwen3.args import Qwen3ModelArgs, Qwen3MoEModelArgs
@@ -18,9 +18,9 @@ __all__ = ["Qwen3ModelArgs", "Qwen3MoEModelArgs", "qwen3_flavors", "qwen3_moe_fl
 register_model_spec(
     ModelSpec(
         name="qwen3",
-        model_cls="models.llama.model:Transformer",
+        model_cls="models.common.decoder:Transformer",
         flavors=qwen3_flavors,
-        parallelize_plan="models.llama.parallelize:LLAMA_PLAN",
+        parallelize_plan="models.common.parallelize:LLAMA_PLAN",
         validate_parallelism_fn=validate_qwen3_parallelism,
         hf_adapter="models.qwen3.hf:QWEN3_HF_ADAPTER",
         param_shapes="models.qwen3.planning:qwen3_param_shapes",
@@ -31,9 +31,9 @@ register_model_spec(
 register_model_spec(
     ModelSpec(
         name="qwen3_moe",
-        model_cls="models.moe.model:MoETransformer",
+        model_cls="models.common.moe_decoder:MoETransformer",
         flavors=qwen3_moe_flavors,
-        parallelize_plan="models.moe.parallelize:MOE_PLAN",
+        parallelize_plan="models.common.moe_parallelize:MOE_PLAN",
         validate_parallelism_fn=validate_qwen3_moe_parallelism,
         hf_adapter="models.qwen3.hf:QWEN3_MOE_HF_ADAPTER",
         param_shapes="models.qwen3.planning:qwen3_moe_param_shapes",

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.llama.args import LlamaModelArgs
-from models.moe.args import MoEModelArgs
+from models.common.args import LlamaModelArgs
+from models.common.moe_args import MoEModelArgs
 
 __all__ = ["Qwen3ModelArgs", "Qwen3MoEModelArgs"]
 
@@ -53,7 +53,7 @@ class Qwen3MoEModelArgs(MoEModelArgs):
     sum to 1 (Hugging Face's ``norm_topk_prob``), no shared experts, every layer MoE
     (``decoder_sparse_step`` 1, no ``mlp_only_layers``), no routing bias. ``aux_loss_coeff`` is
     Hugging Face's ``router_aux_loss_coef`` (0.001), applied to Quadra's sequence-wise balance loss
-    (models/moe/layers.py) rather than transformers' loss over the whole batch.
+    (models/common/moe.py) rather than transformers' loss over the whole batch.
     ``ffn_hidden_size`` keeps the published ``intermediate_size``, which no layer uses.
     """
 

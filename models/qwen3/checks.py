@@ -1,7 +1,7 @@
 """Start-up checks of ``[parallelism]`` against a Qwen3 or Qwen3-MoE model: torch-free, so the
 launcher's pre-flight and every rank run the same rule before anything is built.
 
-The plans are LLaMA's and the MoE model's (models/llama/parallelize.py, models/moe/parallelize.py),
+The plans are LLaMA's and the MoE model's (models/common/parallelize.py, models/common/moe_parallelize.py),
 so the rules are theirs: tensor parallel gives every rank 1/tp of the query and key/value heads, of
 the feed-forward width and of the vocabulary; expert parallel 1/ep of the routed experts. The QK-norm
 weights ([head_dim]) are replicated on the tp ranks and need no rule; ``head_dim`` itself is never

@@ -11,15 +11,15 @@ files. Absent fields take transformers' defaults (``head_dim``: 128 for Qwen3, h
 for Qwen3-MoE; ``norm_topk_prob``: false). Only the default (unscaled) RoPE is read. Written configs
 use the published keys (``rope_theta``, ``num_experts``), which transformers 4.51+ and 5 read.
 
-Weights (models/hf.py): names map one to one; q/k projections and the QK-norm weights [head_dim] are
+Weights (models/common/hf.py): names map one to one; q/k projections and the QK-norm weights [head_dim] are
 permuted per head from Hugging Face's ``rotate_half`` order to Quadra's interleaved pairs; the MoE's
 per-expert ``nn.Linear`` matrices are transposed and stacked (models/moe/hf.py). All index moves, so
-HF -> Quadra -> HF is bitwise. Refusals are :class:`models.hf.HFConfigError` naming the field.
+HF -> Quadra -> HF is bitwise. Refusals are :class:`models.common.hf.HFConfigError` naming the field.
 """
 
 from __future__ import annotations
 
-from models.hf import (HFAdapter, HFConfigError, Rule, attention_rules, common_config, embedding_rule,
+from models.common.hf import (HFAdapter, HFConfigError, Rule, attention_rules, common_config, embedding_rule,
                        head_rules, norm_rules, one, require, rope_from_config, same, validated_args)
 from models.llama.hf import feed_forward_rules
 from models.moe.hf import stack_transposed, unstack_transposed

@@ -1,8 +1,8 @@
 """The Qwen3 families as the layout planner sees them (torch-free): parameters, FLOPs, width, routing.
 
-The modules and plans are LLaMA's and the MoE model's (models/llama/parallelize.py,
-models/moe/parallelize.py), so are their planner views (models/llama/planning.py,
-models/moe/planning.py), which list what Qwen3 adds: q/k/v/o widths of ``n_heads * head_dim`` with
+The modules and plans are LLaMA's and the MoE model's (models/common/parallelize.py,
+models/common/moe_parallelize.py), so are their planner views (models/common/shapes.py,
+models/common/moe_shapes.py), which list what Qwen3 adds: q/k/v/o widths of ``n_heads * head_dim`` with
 head_dim free of dim / n_heads, and the QK-norm weights [head_dim] per block, replicated on every tp
 rank with or without sequence parallel (a Replicate DTensor whose gradient is summed over tp), so
 ``norm`` entries. FLOPs per token: 6·N + 12·L·n_heads·head_dim·seq_len (PaLM App. B), active
@@ -11,9 +11,9 @@ experts only for the MoE.
 
 from __future__ import annotations
 
-from models.llama.planning import llama_ffn_width, llama_flops_per_token, llama_param_shapes
-from models.moe.planning import moe_ffn_width, moe_flops_per_token, moe_param_shapes, moe_routing
-from models.planning import ExpertRouting, ParamSpec
+from models.common.shapes import llama_ffn_width, llama_flops_per_token, llama_param_shapes
+from models.common.moe_shapes import moe_ffn_width, moe_flops_per_token, moe_param_shapes, moe_routing
+from models.common.planning import ExpertRouting, ParamSpec
 
 __all__ = ["qwen3_param_shapes", "qwen3_flops_per_token", "qwen3_ffn_width", "qwen3_moe_param_shapes",
            "qwen3_moe_flops_per_token", "qwen3_moe_ffn_width", "qwen3_moe_routing"]

@@ -1,4 +1,4 @@
-"""Attention alone: block-causal over packed documents (models/document_mask.py) vs plain causal SDPA.
+"""Attention alone: block-causal over packed documents (models/common/document_mask.py) vs plain causal SDPA.
 
 One forward + backward of ``document_attention`` and of ``F.scaled_dot_product_attention(is_causal=True)``
 on the same q, k, v at the debug model's shape (B sequences, 16 heads of 16 channels, S tokens),
@@ -17,7 +17,7 @@ def attention_step_seconds(batch: int, seq_len: int, rounds: int, reps: int = 5,
     import torch
     import torch.nn.functional as F
 
-    from models.document_mask import document_attention
+    from models.common.document_mask import document_attention
     from scripts.benchmarks.harness import interleave
 
     gen = torch.Generator().manual_seed(0)

@@ -1,5 +1,5 @@
 """The ``loss`` case of scripts/benchmark.py: the fused, chunked linear cross entropy
-(models/linear_cross_entropy.py, ``[loss] chunk_tokens``) against the unfused loss (full logits,
+(models/common/linear_cross_entropy.py, ``[loss] chunk_tokens``) against the unfused loss (full logits,
 engine/train/loss.py ``token_sum_loss``) at a large-vocabulary shape.
 
 - peak bytes of the loss phase: forward + backward of output projection and loss on fixed final
@@ -41,7 +41,7 @@ def loss_phase_peak_bytes(chunk_tokens: int, dim: int = 256, tokens: int = SEQ_L
     def head(h, labels=None, loss_chunk_tokens=0):  # the model's last step: hidden states -> logits or loss
         if labels is None:
             return h @ weight.t()
-        from models.linear_cross_entropy import linear_cross_entropy_sum
+        from models.common.linear_cross_entropy import linear_cross_entropy_sum
 
         return linear_cross_entropy_sum(h, weight, labels, loss_chunk_tokens)
 
