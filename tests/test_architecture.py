@@ -33,6 +33,7 @@ PACKAGES = ("engine", "models", "parallelisms")
 # re-runs itself only when it needs torch) and each family's torch-free half.
 TORCH_FREE = (
     "engine.config", "engine.config.loading", "engine.config.schema", "engine.config.toml_format",
+    "engine.config.value_checks",
     "engine.config.validation", "engine.config.fingerprint", "engine.config.__main__", "engine.config.reference",
     "engine.launch", "engine.launch.launcher", "engine.launch.dry_run", "engine.setup", "engine.setup.preflight",
     "engine.planner", "engine.planner.activations", "engine.planner.comm", "engine.planner.estimate",

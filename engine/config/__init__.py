@@ -3,7 +3,8 @@ line, range checks and warnings, and TOML writing. Imports no torch (the launche
 the config before torch is loaded).
 
 Modules: ``schema`` (sections, their keys, defaults and docs), ``loading`` (:class:`JobConfig`,
-:func:`load_config`, ``--help``), ``validation`` (what the config alone can refuse or warn about),
+:func:`load_config`, ``--help``), ``value_checks`` (one value's type and allowed values, and
+:class:`ConfigError`), ``validation`` (what the config alone can refuse or warn about),
 ``toml_format`` (values as TOML and command-line text), ``reference`` (every key as the markdown of
 engine/docs/configuration.md). ``python -m engine.config [--section.key v ...]``
 prints the merged config or the one-line error (exit 2).
@@ -12,7 +13,6 @@ prints the merged config or the one-line error (exit 2).
 from engine.config.loading import (
     CONFIG_KEYS,
     SECTIONS,
-    ConfigError,
     JobConfig,
     config_to_dict,
     config_to_toml,
@@ -20,6 +20,7 @@ from engine.config.loading import (
     load_config,
     resolve_dump_folder,
 )
+from engine.config.value_checks import ConfigError
 
 __all__ = [
     "CONFIG_KEYS",

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -28,8 +27,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
-from engine.config.toml_format import cli_value, toml_value
+from engine.config.toml_format import toml_value
 from engine.config.validation import config_warnings, range_problems
+from engine.config.value_checks import ConfigError, check_value, field_default, parse_cli_value
 from engine.config.schema import (  # the section dataclasses, re-exported for type hints
     ActivationCheckpointSection, CheckpointSection, CommSection, CompileSection, DataSection, DocumentMaskSection,
     EvalSection, FaultToleranceSection, Float8Section, JobSection, LossSection, LRSchedulerSection, MetricsSection,
@@ -38,17 +38,9 @@ from engine.config.schema import (  # the section dataclasses, re-exported for t
 )
 
 __all__ = [
-    "CONFIG_KEYS", "ConfigError", "JobConfig", "config_to_dict", "config_to_toml",
-    "format_help", "load_config", "resolve_dump_folder",
+    "CONFIG_KEYS", "JobConfig", "config_to_dict", "config_to_toml", "format_help", "load_config",
+    "resolve_dump_folder",
 ]
-
-_TRUE_WORDS = ("true", "1", "yes")
-_FALSE_WORDS = ("false", "0", "no")
-
-
-class ConfigError(ValueError):
-    """A bad config: unknown section/key, wrong type, value out of range, unreadable TOML, bad CLI."""
-
 
 @dataclass
 class JobConfig:
@@ -194,7 +186,7 @@ def _read_toml(path: str) -> dict[tuple[str, str], Any]:
                               "Fix: move it under its [section] header")
         for key, value in table.items():
             f = _lookup(section, key, where)
-            out[(section, key)] = _check_native(f"{section}.{key}", value, f)
+            out[(section, key)] = check_value(f"{section}.{key}", value, f)
     return out
 
 
@@ -222,7 +214,7 @@ def _parse_argv(argv: list[str]) -> dict[tuple[str, str], Any]:
             else:
                 text = nxt
                 i += 1
-        out[(section, key)] = _parsecli_value(name, text, f)
+        out[(section, key)] = parse_cli_value(name, text, f)
     return out
 
 
@@ -245,93 +237,6 @@ def _lookup(section: str, key: str, where: str) -> dataclasses.Field:
     raise ConfigError(f"unknown key '{section}.{key}' in {where}; {hint} (see --help for every key)")
 
 
-def _default(f: dataclasses.Field) -> Any:
-    """A field's default value, also for list fields (which use a default_factory)."""
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default
-
-
-def _check_native(key: str, value: Any, f: dataclasses.Field) -> Any:
-    """Type-check a TOML (or in-memory) value for field ``f``; ints widen to float. -> the value."""
-    typ = f.type
-    ok = False
-    # bool is a subclass of int in Python; TOML `true` must never pass as 1.
-    if typ is bool:
-        ok = isinstance(value, bool)
-    elif typ is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif typ is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if ok:
-            value = float(value)
-            ok = math.isfinite(value)
-    elif typ == list[str]:
-        ok = isinstance(value, list) and all(isinstance(item, str) for item in value)
-        if ok:
-            value = list(value)
-    elif typ is str:
-        ok = isinstance(value, str)
-        if not ok and f.metadata.get("int_ok") and isinstance(value, int) and not isinstance(value, bool):
-            value, ok = str(value), True
-    if not ok:
-        shown = toml_value(value) if isinstance(value, (bool, int, float, str)) else repr(value)
-        expected = "a finite float (ints are accepted)" if typ is float else f"a{'n' * (typ is int)} {typ.__name__}"
-        raise ConfigError(f"{key} = {shown} has type {type(value).__name__}, expected {expected}. "
-                          f"Fix: write e.g. {key} = {toml_value(_default(f))}")
-    return _check_choice(key, value, f)
-
-
-def _parsecli_value(key: str, text: str, f: dataclasses.Field) -> Any:
-    """Convert one command-line string to the type of field ``f``."""
-    typ = f.type
-    try:
-        if typ is bool:
-            word = text.strip().lower()
-            if word not in _TRUE_WORDS + _FALSE_WORDS:
-                raise ValueError(text)
-            value: Any = word in _TRUE_WORDS
-        elif typ == list[str]:
-            value = _cli_list(text)
-        elif typ is float:
-            # float() takes "nan"/"inf"; no hyperparameter here means either, so refuse them.
-            value = float(text)
-            if not math.isfinite(value):
-                raise ValueError(text)
-        else:
-            value = typ(text)  # int(...) rejects "1.5" and "true"; str is the identity
-    except ValueError:
-        words = " (true/false, 1/0, yes/no)" if typ is bool else ""
-        raise ConfigError(f"{key} = {text!r} from the command line is not a valid {typ.__name__}"
-                          f"{words}. Fix: e.g. --{key} {cli_value(_default(f))}") from None
-    return _check_choice(key, value, f)
-
-
-def _cli_list(text: str) -> list[str]:
-    """A ``list[str]`` from the command line: comma-separated (``layers.4,layers.8``), or a TOML array
-    as ``--help`` and the config show it (``'["output", "router.gate"]'``; ``[]`` for none).
-
-    Raises:
-        ValueError: a bracketed value that is not a TOML array of strings.
-    """
-    if not text.strip().startswith("["):
-        return [item.strip() for item in text.split(",") if item.strip()]
-    try:
-        value = tomllib.loads(f"value = {text.strip()}")["value"]
-    except tomllib.TOMLDecodeError:
-        raise ValueError(text) from None
-    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-        raise ValueError(text)
-    return value
-
-
-def _check_choice(key: str, value: Any, f: dataclasses.Field) -> Any:
-    """Raise ConfigError when ``f`` has ``choices`` metadata and ``value`` is not one of them."""
-    choices = f.metadata.get("choices")
-    if choices is not None and value not in choices:
-        raise ConfigError(f"{key} = {value!r} is not an allowed value. "
-                          f"Fix: use one of {'|'.join(choices)}")
-    return value
-
-
 # ---------------------------------------------------------------- validation
 
 
@@ -343,7 +248,7 @@ def _type_problems(cfg: JobConfig) -> list[str]:
         for key, f in _FIELDS[section].items():
             value = getattr(obj, key)
             try:
-                checked = _check_native(f"{section}.{key}", value, f)
+                checked = check_value(f"{section}.{key}", value, f)
             except ConfigError as exc:
                 problems.append(str(exc))
                 continue
@@ -395,5 +300,5 @@ def format_help(current: dict[tuple[str, str], Any] | None = None) -> str:
         for key, f in fields.items():
             set_here = f", set: {toml_value(current[section, key])}" if (section, key) in current else ""
             lines.append(f"  --{section}.{key}  ({f.type.__name__}, default: "
-                         f"{toml_value(_default(f))}{set_here})  {f.metadata['doc']}")
+                         f"{toml_value(field_default(f))}{set_here})  {f.metadata['doc']}")
     return "\n".join(lines)

@@ -14,8 +14,9 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from engine.config.loading import SECTIONS, _default
+from engine.config.loading import SECTIONS
 from engine.config.toml_format import toml_value
+from engine.config.value_checks import field_default
 
 __all__ = ["BEGIN", "END", "PAGE", "REGENERATE", "reference_markdown", "render_page"]
 
@@ -51,7 +52,7 @@ def reference_markdown() -> str:
             lines += [doc[:1].upper() + doc[1:], ""]
         lines += ["| key | type | default | doc |", "|---|---|---|---|"]
         for f in dataclasses.fields(cls):
-            lines.append(f"| `{section}.{f.name}` | {f.type.__name__} | {_code(toml_value(_default(f)))} | "
+            lines.append(f"| `{section}.{f.name}` | {f.type.__name__} | {_code(toml_value(field_default(f)))} | "
                          f"{_markdown(f.metadata['doc'])} |")
     return "\n".join(lines) + "\n"
 
