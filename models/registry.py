@@ -20,10 +20,7 @@ import importlib
 import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
-
-if TYPE_CHECKING:
-    import torch.nn as nn
+from typing import Any, Callable, Protocol, runtime_checkable
 
 __all__ = [
     "ModelArgs",
@@ -56,9 +53,6 @@ class ModelArgs(Protocol):
 
     def validate(self) -> None:
         """Raise ValueError if the arguments are not self-consistent."""
-
-    def get_nparams_and_flops(self, model: "nn.Module", seq_len: int) -> tuple[int, int]:
-        """Return (parameter count, training FLOPs per token) of `model` at `seq_len` tokens."""
 
 
 @dataclass(frozen=True)

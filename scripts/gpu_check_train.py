@@ -140,6 +140,7 @@ def row_mfu(ctx: Ctx) -> dict:
     deadline comes first); MFU = FLOPs/token (engine's 6N + 12·L·H·Q·T) × tokens/s / peak
     (engine.observe.flops table: dense bf16 989 TFLOP/s for an H200). Source: PaLM (arXiv 2204.02311) App. B."""
     from engine.observe.flops import compute_mfu, compute_tflops, get_peak_flops
+    from models.common.shapes import llama_flops_per_token
     from parallelisms.compile import apply_compile
     from parallelisms.data_parallel import apply_fsdp
     from parallelisms.grad_norm import clip_grad_norm_
@@ -157,7 +158,8 @@ def row_mfu(ctx: Ctx) -> dict:
 
     start = time.perf_counter()
     model = build_model(args, ctx.device, parallelize=parallelize)
-    nparams, flops_per_token = args.get_nparams_and_flops(model, seq)
+    nparams = sum(p.numel() for p in model.parameters())
+    flops_per_token = llama_flops_per_token(args, seq)
     optimizer = _optimizer(model)
     params = list(model.parameters())
     inputs, labels = synthetic_batch(args.vocab_size, batch, seq, ctx.device)

@@ -42,7 +42,9 @@ TORCH_FREE = (
     "engine.planner.search",
     "engine.data.batch_sizes", "engine.data.tokenizer", "engine.data.prepared", "engine.data.sources",
     "engine.checkpoint.files", "engine.convert", "engine.convert.hf_adapter", "engine.observe",
-    "models", "models.registry", "models.planning", "models.hf",
+    "models", "models.registry", "models.common", "models.common.planning", "models.common.hf",
+    "models.common.args", "models.common.moe_args", "models.common.checks", "models.common.shapes",
+    "models.common.moe_shapes", "models.common.specs",
     "parallelisms.checks", "parallelisms.parallel_dims", "parallelisms.pipeline_plan", "parallelisms.float8_checks",
     "engine.planner.float8",
 )
@@ -62,7 +64,8 @@ def python_files(folder: str) -> list[str]:
 
 def _family_packages() -> set[str]:
     """The model families' packages: the folders of models/ that are packages."""
-    return {n for n in os.listdir(MODELS) if os.path.isfile(os.path.join(MODELS, n, "__init__.py"))}
+    return {n for n in os.listdir(MODELS)
+            if n != "common" and os.path.isfile(os.path.join(MODELS, n, "__init__.py"))}
 
 
 def _family_words() -> set[str]:
@@ -129,11 +132,11 @@ def test_engine_knows_no_model_family():
 
 
 @pytest.mark.parametrize("source, expected", [
-    ("from models.llama.args import LlamaModelArgs\n", "imports models.llama.args"),
+    ("from models.llama.flavors import llama3_flavors\n", "imports models.llama.flavors"),
     ("import models.moe\n", "imports models.moe"),
     ("from models import llama\n", "imports models.llama"),
     ("if cfg.model.name == 'moe':\n    pass\n", "names model family 'moe'"),
-    ("ref = 'models.llama.model:Transformer'\n", "names model family"),
+    ("ref = 'models.llama.hf:LLAMA_HF_ADAPTER'\n", "names model family"),
 ])
 def test_family_check_catches(tmp_path, source, expected):
     """The checker itself finds each kind of violation (and a docstring mention is allowed)."""
@@ -141,6 +144,43 @@ def test_family_check_catches(tmp_path, source, expected):
     path.write_text('"""Mentions llama in prose."""\n' + source)
     found = family_violations(str(path), _family_packages(), _family_words())
     assert len(found) == 1 and expected in found[0], found
+
+
+def family_import_violations(path: str, family: str | None, families: set[str]) -> list[str]:
+    """Imports in ``path`` (a module of models/<family>/, or of models/common/ when ``family`` is None)
+    of another family: a family stands on models/common and the registry only, and common on no
+    family."""
+    with open(path, encoding="utf-8") as fh:
+        tree = ast.parse(fh.read(), path)
+    out = []
+    for line, module in imported_modules(tree):
+        parts = module.split(".")
+        if parts[0] == "models" and len(parts) > 1 and parts[1] in families and parts[1] != family:
+            out.append(f"{os.path.relpath(path, REPO)}:{line} imports {module}")
+    return sorted(set(out))
+
+
+def test_a_family_imports_only_common_and_the_registry():
+    families = _family_packages()
+    assert {"llama", "moe", "qwen3", "deepseek_v3"} <= families and "common" not in families
+    found = [v for path in python_files(os.path.join(MODELS, "common"))
+             for v in family_import_violations(path, None, families)]
+    for family in sorted(families):
+        found += [v for path in python_files(os.path.join(MODELS, family))
+                  for v in family_import_violations(path, family, families)]
+    assert not found, ("a family imports only models.common and models.registry (and itself), never another "
+                       "family; models/common imports no family:\n" + "\n".join(found))
+
+
+@pytest.mark.parametrize("family, source", [
+    ("qwen3", "from models.llama.flavors import llama3_flavors\n"),
+    ("deepseek_v3", "import models.moe\n"),
+    (None, "from models.deepseek_v3.mtp import MTPModule\n"),
+])
+def test_family_import_check_catches(tmp_path, family, source):
+    path = tmp_path / "x.py"
+    path.write_text(source + "from models.common.decoder import Transformer\nfrom models.registry import ModelSpec\n")
+    assert len(family_import_violations(str(path), family, _family_packages())) == 1
 
 
 # (package, package it must never import): models/ and parallelisms/ stand below engine/; what scripts/
@@ -338,7 +378,7 @@ def import_without_torch(modules: list[str]) -> subprocess.CompletedProcess:
 
 def test_the_torch_free_list_imports_without_torch():
     modules = torch_free_modules()
-    assert "models.llama.args" in modules and "models.moe.planning" in modules
+    assert "models.common.args" in modules and "models.common.moe_shapes" in modules
     result = import_without_torch(modules)
     assert result.returncode == 0, "these modules must import without torch:\n" + result.stdout + result.stderr[-2000:]
 

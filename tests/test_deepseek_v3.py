@@ -133,15 +133,15 @@ def test_bad_arguments_are_refused_in_one_line(change, message):
 
 def test_tensor_parallel_degree_must_split_the_heads():
     from engine.config import load_config
-    from models.deepseek_v3.checks import validate_deepseek_v3_parallelism
+    from models.registry import get_model_spec
     from parallelisms.checks import TensorParallelError
     from tests.training_utils import base_args
 
     cfg = load_config(base_args("/tmp/unused", {"model.name": "deepseek_v3", "model.flavor": "debugmodel",
                                                 "parallelism.tp": 8, "parallelism.dp_shard": 1}))
     with pytest.raises(TensorParallelError, match="n_heads"):
-        validate_deepseek_v3_parallelism(deepseek_v3_flavors["debugmodel"], cfg.parallelism, seq_len=32,
-                                         device_type="cpu", compile_enabled=False)
+        get_model_spec("deepseek_v3").validate_parallelism_fn(deepseek_v3_flavors["debugmodel"], cfg.parallelism,
+                                                              seq_len=32, device_type="cpu", compile_enabled=False)
 
 
 def test_compile_is_accepted_and_compiles_the_mtp_blocks_static_parts():
@@ -150,13 +150,14 @@ def test_compile_is_accepted_and_compiles_the_mtp_blocks_static_parts():
     MLA, the group-limited router and the shared experts (training parity: tests/test_deepseek_v3_parallel.py)."""
     from types import SimpleNamespace
 
-    from models.deepseek_v3.checks import validate_deepseek_v3_parallelism
+    from models.registry import get_model_spec
     from models.deepseek_v3.model import DeepseekV3Transformer
     from parallelisms.compile import apply_compile
 
     args = deepseek_v3_flavors["debugmodel_mtp"]
     cfg = SimpleNamespace(tp=1, ep=2, cp=1, sequence_parallel=True, loss_parallel=True, async_tp=False)
-    validate_deepseek_v3_parallelism(args, cfg, seq_len=32, device_type="cpu", compile_enabled=True)
+    get_model_spec("deepseek_v3").validate_parallelism_fn(args, cfg, seq_len=32, device_type="cpu",
+                                                          compile_enabled=True)
     model = DeepseekV3Transformer(args)
     assert apply_compile(model, backend="aot_eager") == 1 + 3 * 2 + 3 * 2  # dense block; 2 MoE + 2 MTP blocks
     compiled = {name for name, module in model.named_modules() if module._compiled_call_impl is not None}

@@ -13,6 +13,7 @@ from models import ModelSpec, get_model_args, get_model_spec, register_model_spe
 from models.registry import load_ref
 from models.llama import LlamaModelArgs, Transformer
 from models.common.args import ffn_hidden_dim
+from models.common.shapes import llama_flops_per_token
 from models.common.parallelize import LLAMA_PLAN
 
 
@@ -66,12 +67,16 @@ def test_ffn_hidden_dim_matches_released_models():
     assert ffn_hidden_dim(16384, 4096, 1.2) == 53248  # 405B
 
 
+def _nparams(model) -> int:
+    """Unique parameters of ``model`` (``parameters()`` yields a tied matrix once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
 @pytest.mark.parametrize("flavor,expected", [("8B", 8_030_261_248), ("70B", 70_553_706_496)])
 def test_param_counts_on_meta(flavor, expected):
     args = get_model_args("llama", flavor)
     model = meta_build(args)
-    nparams, _ = args.get_nparams_and_flops(model, seq_len=8192)
-    assert nparams == expected
+    assert _nparams(model) == expected
 
 
 def test_debugmodel_param_count_matches_formula():
@@ -84,19 +89,19 @@ def test_debugmodel_param_count_matches_formula():
         + 2 * a.dim  # attention_norm, ffn_norm
     )
     expected = a.n_layers * per_layer + 2 * a.vocab_size * a.dim + a.dim
-    nparams, _ = a.get_nparams_and_flops(meta_build(a), seq_len=256)
+    nparams = _nparams(meta_build(a))
     print(f"debugmodel parameters: {nparams:,}")
     assert nparams == expected == 6_819_072
 
 
 def test_flops_8B_seq_8192_by_hand():
     args = get_model_args("llama", "8B")
-    nparams, flops = args.get_nparams_and_flops(meta_build(args), seq_len=8192)
+    flops = llama_flops_per_token(args, 8192)
     non_embedding = 8_030_261_248 - 128256 * 4096  # the lookup table does no FLOPs
     attention = 12 * 32 * 32 * 128 * 8192  # 12 * L * H * head_dim * seq_len
     assert flops == 6 * non_embedding + attention == 57_914_449_920
     with pytest.raises(ValueError, match="seq_len"):
-        args.get_nparams_and_flops(meta_build(tiny_args()), seq_len=0)
+        llama_flops_per_token(tiny_args(), 0)
 
 
 # ---------------------------------------------------------------- semantics
@@ -228,13 +233,13 @@ def test_meta_build_to_empty_init_is_complete():
 
 def test_tied_embeddings_share_storage_and_count_once():
     args = tiny_args(tie_embeddings=True)
-    untied_n, untied_flops = tiny_args().get_nparams_and_flops(meta_build(tiny_args()), seq_len=32)
+    untied_n, untied_flops = _nparams(meta_build(tiny_args())), llama_flops_per_token(tiny_args(), 32)
     model = meta_build(args)
     model.to_empty(device="cpu")  # must not untie the two modules
     model.init_weights(seed=0)
     assert model.output.weight is model.tok_embeddings.weight
     assert model.output.weight.data_ptr() == model.tok_embeddings.weight.data_ptr()
-    nparams, flops = args.get_nparams_and_flops(model, seq_len=32)
+    nparams, flops = _nparams(model), llama_flops_per_token(args, 32)
     assert nparams == untied_n - args.vocab_size * args.dim
     # The shared matrix still does the output matmul, so FLOPs equal the untied model's.
     assert flops == untied_flops
@@ -264,8 +269,7 @@ def test_pipeline_stage_chain_equals_full_model():
         hidden = first(tokens)
         assert hidden.shape == (2, 20, args.dim)
         torch.testing.assert_close(second(hidden), full(tokens), rtol=0, atol=0)
-    full_n, _ = args.get_nparams_and_flops(full, 20)
-    assert sum(args.get_nparams_and_flops(p, 20)[0] for p in (first, second)) == full_n
+    assert sum(_nparams(p) for p in (first, second)) == _nparams(full)
 
 
 # ---------------------------------------------------------------- validation and registry

@@ -1,7 +1,8 @@
 """The contract every registered model family keeps (models/registry.py ``ModelSpec``), checked for
 each family and each of its small flavors on the meta device: the planner's parameter list equals
-the module's parameters, the planner's FLOPs per token equal the model's own count, and the Hugging
-Face adapter (when given) covers every weight."""
+the module's parameters (names, shapes, module order: what the one FLOPs formula,
+models/common/shapes.py ``training_flops_per_token``, counts), and the Hugging Face adapter (when
+given) covers every weight."""
 
 from __future__ import annotations
 
@@ -37,8 +38,6 @@ def test_family_contract(name, flavor):
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     listed = spec.get("param_shapes")(args)
     assert [(p.name, p.shape) for p in listed] == list(shapes.items())  # same names, shapes, module order
-    _, flops = args.get_nparams_and_flops(model, SEQ_LEN)
-    assert spec.get("flops_per_token")(args, SEQ_LEN) == pytest.approx(flops, rel=1e-12)
     if spec.expert_routing is not None:
         routing = spec.get("expert_routing")(args)
         # Routed layers by block index; a multi-token-prediction block beside the output head has none.

@@ -9,13 +9,11 @@ import types
 import pytest
 import torch
 
-from models import get_model_args
-from models.common.checks import validate_llama_parallelism
+from models import get_model_args, get_model_spec
 from models.common.moe_args import MoEModelArgs
 from models.moe.flavors import moe_flavors
 from models.common.moe import MoE, capacity_keep_mask, combine_expert_outputs, sort_tokens_by_expert
 from models.common.moe_decoder import MoETransformer
-from models.moe.checks import validate_moe_parallelism
 from parallelisms.expert_parallel import ExpertParallelError, regroup_by_local_expert
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
 from parallelisms.tensor_parallel import TensorParallelError
@@ -257,7 +255,8 @@ def test_flavor_parameter_counts(flavor):
     with torch.device("meta"):
         model = MoETransformer(args)
     assert args.count_params(model) == FLAVOR_COUNTS[flavor]
-    nparams, flops = args.get_nparams_and_flops(model, 256)
+    nparams = sum(p.numel() for p in model.parameters())
+    flops = get_model_spec("moe").get("flops_per_token")(args, 256)
     total, active = FLAVOR_COUNTS[flavor]
     embedding = args.vocab_size * args.dim
     attention = 12 * args.n_layers * args.n_heads * args.head_dim * 256
@@ -272,7 +271,8 @@ def parallelism(**changes):
 
 
 def _validate_moe(args, **changes):
-    validate_moe_parallelism(args, parallelism(**changes), seq_len=64, device_type="cpu", compile_enabled=False)
+    get_model_spec("moe").validate_parallelism_fn(args, parallelism(**changes), seq_len=64, device_type="cpu",
+                                                  compile_enabled=False)
 
 
 DEBUG = moe_flavors["debugmodel"]
@@ -296,8 +296,9 @@ BAD_SETTINGS = {
         TensorParallelError, r"parallelism.tp = 4 does not divide the model's shared experts' width .* = 6",
     ),
     "ep with a dense model": (
-        lambda: validate_llama_parallelism(get_model_args("llama", "debugmodel"), parallelism(ep=2), seq_len=64,
-                                           device_type="cpu", compile_enabled=False),
+        lambda: get_model_spec("llama").validate_parallelism_fn(
+            get_model_args("llama", "debugmodel"), parallelism(ep=2), seq_len=64, device_type="cpu",
+            compile_enabled=False),
         ExpertParallelError, r'parallelism.ep = 2: model.name = "llama" is dense.*model.name = "moe"',
     ),
 }

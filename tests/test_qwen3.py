@@ -280,7 +280,6 @@ def test_planner_shapes_and_flops_equal_the_model(name, flavor):
     model = _meta_model(name, args)
     assert [(s.name, s.shape) for s in param_shapes(args)] == \
         [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    assert flops_per_token(args, 4096) == args.get_nparams_and_flops(model, 4096)[1]
 
 
 def test_flops_use_head_dim_not_dim_over_heads():

@@ -60,8 +60,8 @@ def _collectives_per_block(sequence_parallel: bool) -> dict:
     from torch.distributed.tensor.debug import CommDebugMode
 
     from models import get_model_args
-    from models.llama.model import Transformer
-    from models.llama.parallelize import llama_tp_plan
+    from models.common.decoder import Transformer
+    from models.common.parallelize import llama_tp_plan
     from parallelisms.tensor_parallel import apply_tp_plan
 
     args = dataclasses.replace(get_model_args("llama", "debugmodel"), n_layers=1, max_seq_len=16)
@@ -296,12 +296,13 @@ def test_bad_setting_fails_on_every_rank(name, rank_results):
 def _validate(tp: int, *, seq_len: int = 64, device_type: str = "cpu", compile_enabled: bool = False, **changes):
     from engine.config.schema import ParallelismSection
     from models import get_model_args
-    from models.llama.checks import validate_llama_parallelism
+    from models.registry import get_model_spec
 
     knobs = {k: changes.pop(k) for k in ("sequence_parallel", "loss_parallel", "async_tp") if k in changes}
     args = dataclasses.replace(get_model_args("llama", "debugmodel"), **changes)
     cfg = ParallelismSection(tp=tp, **knobs)
-    validate_llama_parallelism(args, cfg, seq_len=seq_len, device_type=device_type, compile_enabled=compile_enabled)
+    get_model_spec("llama").validate_parallelism_fn(args, cfg, seq_len=seq_len, device_type=device_type,
+                                                    compile_enabled=compile_enabled)
 
 
 @pytest.mark.parametrize(

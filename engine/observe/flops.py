@@ -77,8 +77,8 @@ def get_peak_flops(
 def compute_tflops(flops_per_token: float, tokens_per_second_per_device: float) -> float:
     """Achieved model TFLOPS per device = flops_per_token * tokens/s/device / 1e12.
 
-    ``flops_per_token`` is the training cost (forward + backward, e.g. 6N + attention, from
-    ``ModelArgs.get_nparams_and_flops``).
+    ``flops_per_token`` is the training cost (forward + backward, 6N + attention: the family's
+    ``ModelSpec.flops_per_token``, models/common/shapes.py ``training_flops_per_token``).
     """
     return flops_per_token * tokens_per_second_per_device / 1e12
 

@@ -75,7 +75,8 @@ def build_model_parts(cfg, spec: ModelSpec, args, *, parallel_dims=None, pp_plan
     from parallelisms.pipeline import build_stage_module
 
     model = build_meta_model(spec, args)
-    nparams, flops_per_token = args.get_nparams_and_flops(model, args.max_seq_len)
+    nparams = sum(p.numel() for p in model.parameters())  # unique: a tied matrix once
+    flops_per_token = spec.get("flops_per_token")(args, args.max_seq_len)
     float8 = cfg.float8.enable
     if float8:  # after the meta build, before pipeline split and parallelisms (parallelisms/float8.py)
         from parallelisms.float8 import convert_to_float8

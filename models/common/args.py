@@ -1,13 +1,9 @@
-"""Hyper-parameters of the LLaMA-3 family and their parameter / FLOP accounting."""
+"""Hyper-parameters of the LLaMA-3 decoder every dense and MoE family builds on (FLOPs per token:
+models/common/shapes.py ``training_flops_per_token``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # flavors stay importable without torch (the launcher's pre-flight)
-    import torch.nn as nn
 
 __all__ = ["LlamaModelArgs", "ffn_hidden_dim"]
 
@@ -210,34 +206,3 @@ class LlamaModelArgs:
                 f"original_max_seq_len={self.rope_original_max_seq_len}, "
                 f"low={self.rope_low_freq_factor}, high={self.rope_high_freq_factor}"
             )
-
-    def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
-        """Parameter count and training FLOPs per token of `model` (a Transformer or a stage of it).
-
-        FLOPs/token = 6 * N_nonembedding + 12 * L * n_heads * head_dim * seq_len
-        (PaLM, Chowdhery et al. 2022, appendix B; as in TorchTitan): 6 = 2 (multiply-add) x 3
-        (forward + backward for inputs and weights) per weight; the second term is the
-        QK^T and PV matmuls, counted without the causal-mask saving. L is the number of blocks
-        present in `model` (all n_layers for the full model, fewer for a pipeline stage).
-
-        N_nonembedding leaves out tok_embeddings, a lookup without FLOPs; with tied embeddings the
-        shared matrix is counted once in nparams and kept in N_nonembedding, because it still
-        does the output projection's matmul. Works on meta-device and DTensor parameters (numel
-        is the global size).
-
-        Returns:
-            (nparams, flops_per_token): unique parameters (a tied matrix once), FLOPs per token.
-        Raises:
-            ValueError: seq_len not positive.
-        """
-        if seq_len <= 0:
-            raise ValueError(f"seq_len={seq_len} must be positive (tokens per sequence)")
-        nparams = sum(p.numel() for p in model.parameters())  # parameters() de-duplicates ties
-        tok = getattr(model, "tok_embeddings", None)
-        n_embedding = 0
-        if tok is not None and not self.tie_embeddings:
-            n_embedding = sum(p.numel() for p in tok.parameters())
-        layers = getattr(model, "layers", None)
-        n_layers = len(layers) if layers is not None else self.n_layers
-        attention = 12 * n_layers * self.n_heads * self.head_dim * seq_len
-        return nparams, 6 * (nparams - n_embedding) + attention

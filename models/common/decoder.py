@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.common.document_mask import attention_inputs, document_attention
-from models.common.init import _init_tensor_, init_generator
+from models.common.init import init_generator, init_linear, init_tensor_, trunc_normal
 from models.common.linear_cross_entropy import linear_cross_entropy_sum
 from models.common.args import LlamaModelArgs
 from models.common.rope import apply_rope, precompute_rope, rope_frequencies
@@ -27,17 +27,6 @@ from models.common.rope import apply_rope, precompute_rope, rope_frequencies
 __all__ = [
     "Transformer", "TransformerBlock", "Attention", "FeedForward", "rope_frequencies", "precompute_rope", "apply_rope",
 ]
-
-
-def _trunc_normal(std: float, cutoff: float | None = None):
-    """Filler for `_init_tensor_`: truncated normal(0, std) cut at +-cutoff*std (default +-2)."""
-    a, b = (-2.0, 2.0) if cutoff is None else (-cutoff * std, cutoff * std)
-    return lambda t, g: nn.init.trunc_normal_(t, mean=0.0, std=std, a=a, b=b, generator=g)
-
-
-def _init_linear(linear: nn.Linear, std: float, seed: int, name: str) -> None:
-    """Init `linear.weight` (named `name` in the full model) with trunc_normal(0, std)."""
-    _init_tensor_(linear.weight, _trunc_normal(std), init_generator(seed, f"{name}.weight"))
 
 
 class Attention(nn.Module):
@@ -109,8 +98,8 @@ class Attention(nn.Module):
     def init_weights(self, init_std: float, seed: int, prefix: str) -> None:
         """wq/wk/wv ~ trunc_normal(0.02); wo ~ trunc_normal(init_std) (TorchTitan's scheme); QK norms = 1."""
         for name in ("wq", "wk", "wv"):
-            _init_linear(getattr(self, name), 0.02, seed, f"{prefix}.{name}")
-        _init_linear(self.wo, init_std, seed, f"{prefix}.wo")
+            init_linear(getattr(self, name), 0.02, seed, f"{prefix}.{name}")
+        init_linear(self.wo, init_std, seed, f"{prefix}.wo")
         if self.qk_norm:
             self.q_norm.reset_parameters()
             self.k_norm.reset_parameters()
@@ -133,9 +122,9 @@ class FeedForward(nn.Module):
 
     def init_weights(self, init_std: float, seed: int, prefix: str) -> None:
         """w1 ~ trunc_normal(0.02); w2, w3 ~ trunc_normal(init_std) (TorchTitan's scheme)."""
-        _init_linear(self.w1, 0.02, seed, f"{prefix}.w1")
-        _init_linear(self.w2, init_std, seed, f"{prefix}.w2")
-        _init_linear(self.w3, init_std, seed, f"{prefix}.w3")
+        init_linear(self.w1, 0.02, seed, f"{prefix}.w1")
+        init_linear(self.w2, init_std, seed, f"{prefix}.w2")
+        init_linear(self.w3, init_std, seed, f"{prefix}.w3")
 
 
 class TransformerBlock(nn.Module):
@@ -347,22 +336,22 @@ class Transformer(nn.Module):
                     "model.tie_embeddings=false to use pipeline parallel"
                 )
             if self.tok_embeddings is not None:
-                _init_tensor_(
+                init_tensor_(
                     self.tok_embeddings.weight,
-                    _trunc_normal(out_std, cutoff=3.0),
+                    trunc_normal(out_std, cutoff=3.0),
                     init_generator(seed, "tok_embeddings.weight"),
                 )
         else:
             if self.tok_embeddings is not None:
-                _init_tensor_(
+                init_tensor_(
                     self.tok_embeddings.weight,
                     lambda t, g: nn.init.normal_(t, mean=0.0, std=1.0, generator=g),
                     init_generator(seed, "tok_embeddings.weight"),
                 )
             if self.output is not None:
-                _init_tensor_(
+                init_tensor_(
                     self.output.weight,
-                    _trunc_normal(out_std, cutoff=3.0),
+                    trunc_normal(out_std, cutoff=3.0),
                     init_generator(seed, "output.weight"),
                 )
         for layer in self.layers.values():

@@ -25,7 +25,8 @@ from typing import Callable
 
 __all__ = ["HFConfigError", "HFAdapter", "Rule", "require", "rope_from_config", "common_args", "common_config",
            "validated_args",
-           "same", "one", "attention_rules", "norm_rules", "embedding_rule", "head_rules"]
+           "same", "one", "attention_rules", "feed_forward_rules", "norm_rules", "embedding_rule", "head_rules",
+           "stack_transposed", "unstack_transposed"]
 
 
 class HFConfigError(ValueError):
@@ -252,3 +253,22 @@ def head_rules(args) -> list[Rule]:
     return [Rule("norm.weight", ("model.norm.weight",), same, one),
             Rule("output.weight", ("model.embed_tokens.weight",) if args.tie_embeddings else ("lm_head.weight",),
                  same, one)]
+
+
+def feed_forward_rules(layer: int) -> list[Rule]:
+    """The SwiGLU w1/w2/w3 of block ``layer`` (gate_proj, down_proj, up_proj)."""
+    hf, q = f"model.layers.{layer}.mlp.", f"layers.{layer}.feed_forward."
+    return [Rule(q + f"{w}.weight", (hf + f"{proj}.weight",), same, one)
+            for w, proj in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))]
+
+
+def stack_transposed(tensors):
+    """E matrices [a, b] (nn.Linear layout) -> [E, b, a] (x @ w layout)."""
+    import torch
+
+    return torch.stack([t.t() for t in tensors])
+
+
+def unstack_transposed(w):
+    """[E, b, a] -> E matrices [a, b]."""
+    return [w[e].t() for e in range(w.shape[0])]

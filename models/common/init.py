@@ -13,8 +13,9 @@ import hashlib
 from typing import Callable
 
 import torch
+import torch.nn as nn
 
-__all__ = ["init_generator", "_init_tensor_"]
+__all__ = ["init_generator", "init_tensor_", "trunc_normal", "init_linear"]
 
 
 def init_generator(seed: int, name: str) -> torch.Generator:
@@ -30,7 +31,7 @@ def init_generator(seed: int, name: str) -> torch.Generator:
 
 
 @torch.no_grad()
-def _init_tensor_(
+def init_tensor_(
     param: torch.Tensor,
     fn: Callable[[torch.Tensor, torch.Generator], object],
     generator: torch.Generator,
@@ -58,3 +59,14 @@ def _init_tensor_(
         full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
     param.copy_(full)
     return param
+
+
+def trunc_normal(std: float, cutoff: float | None = None):
+    """Filler for `init_tensor_`: truncated normal(0, std) cut at +-cutoff*std (default +-2)."""
+    a, b = (-2.0, 2.0) if cutoff is None else (-cutoff * std, cutoff * std)
+    return lambda t, g: nn.init.trunc_normal_(t, mean=0.0, std=std, a=a, b=b, generator=g)
+
+
+def init_linear(linear: nn.Linear, std: float, seed: int, name: str) -> None:
+    """Init `linear.weight` (named `name` in the full model) with trunc_normal(0, std)."""
+    init_tensor_(linear.weight, trunc_normal(std), init_generator(seed, f"{name}.weight"))

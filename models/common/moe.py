@@ -24,8 +24,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.common.init import _init_tensor_, init_generator
-from models.common.decoder import FeedForward, _init_linear, _trunc_normal
+from models.common.init import init_generator, init_linear, init_tensor_, trunc_normal
+from models.common.decoder import FeedForward
 from models.common.moe_args import MoEModelArgs
 
 __all__ = [
@@ -138,7 +138,7 @@ class TokenChoiceRouter(nn.Module):
         return weights * self.route_scale, expert_ids, scores
 
     def init_weights(self, init_std: float, seed: int, prefix: str) -> None:
-        _init_linear(self.gate, init_std, seed, f"{prefix}.gate")
+        init_linear(self.gate, init_std, seed, f"{prefix}.gate")
         if self.expert_bias is not None:
             self.expert_bias.zero_()
 
@@ -234,7 +234,7 @@ class GroupedExperts(nn.Module):
     def init_weights(self, init_std: float, seed: int, prefix: str) -> None:
         """w1 ~ trunc_normal(0.02); w2, w3 ~ trunc_normal(init_std), as the dense FeedForward."""
         for name, std in (("w1", 0.02), ("w2", init_std), ("w3", init_std)):
-            _init_tensor_(getattr(self, name), _trunc_normal(std), init_generator(seed, f"{prefix}.{name}"))
+            init_tensor_(getattr(self, name), trunc_normal(std), init_generator(seed, f"{prefix}.{name}"))
 
 
 class _AttachAuxLoss(torch.autograd.Function):

@@ -132,19 +132,3 @@ class MoEModelArgs(LlamaModelArgs):
         n_moe = sum(1 for i in layer_ids if self.is_moe_layer(i))
         inactive = n_moe * (self.num_experts - self.top_k) * self.expert_params
         return total, total - inactive
-
-    def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
-        """Total parameter count and training FLOPs per token, from the *active* parameters.
-
-        FLOPs/token = 6 * N_active_nonembedding + 12 * L * n_heads * head_dim * seq_len (see
-        ``LlamaModelArgs.get_nparams_and_flops``): a token only runs through its top_k routed
-        experts, so MFU counts those (the router, shared experts and attention in full).
-
-        Returns:
-            (total parameters, training FLOPs per token).
-        Raises:
-            ValueError: seq_len not positive.
-        """
-        nparams, dense_flops = super().get_nparams_and_flops(model, seq_len)
-        total, active = self.count_params(model)
-        return nparams, dense_flops - 6 * (total - active)

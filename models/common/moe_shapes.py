@@ -8,13 +8,15 @@ shared experts column/row-parallel like the dense feed-forward.
 
 from __future__ import annotations
 
-from models.common.shapes import attention_flops_per_token, dense_feed_forward, transformer_param_shapes
+from models.common.shapes import dense_feed_forward, training_flops_per_token, transformer_param_shapes
 from models.common.planning import ExpertRouting, ParamSpec
 
-__all__ = ["moe_param_shapes", "moe_flops_per_token", "moe_ffn_width", "moe_routing"]
+__all__ = ["moe_feed_forward", "moe_param_shapes", "moe_flops_per_token", "moe_ffn_width", "moe_routing"]
 
 
-def _moe_feed_forward(args, layer: int, p: str) -> list[ParamSpec]:
+def moe_feed_forward(args, layer: int, p: str) -> list[ParamSpec]:
+    """Block ``layer``'s feed-forward: the dense SwiGLU before ``n_dense_layers``, else the router gate
+    [E, dim], the routed experts [E, dim, hidden] / [E, hidden, dim] and the fused shared experts."""
     if not args.is_moe_layer(layer):
         return dense_feed_forward(args, layer, p)
     e, h, dim = args.num_experts, args.moe_inter_dim, args.dim
@@ -36,18 +38,15 @@ def _moe_feed_forward(args, layer: int, p: str) -> list[ParamSpec]:
 
 def moe_param_shapes(args) -> list[ParamSpec]:
     """``ModelSpec.param_shapes`` of the MoE family (``MoEModelArgs``)."""
-    return transformer_param_shapes(args, _moe_feed_forward)
+    return transformer_param_shapes(args, moe_feed_forward)
 
 
 def moe_flops_per_token(args, seq_len: int) -> float:
-    """6N + attention per token with N the *active* parameters: of the routed experts only the
-    top_k / num_experts share a token runs through (``MoEModelArgs.get_nparams_and_flops``)."""
-    n = 0.0
-    for p in moe_param_shapes(args):
-        if p.name.startswith("tok_embeddings") and not args.tie_embeddings:
-            continue
-        n += p.numel * (args.top_k / args.num_experts if p.expert else 1)
-    return 6 * n + attention_flops_per_token(args, seq_len)
+    """``ModelSpec.flops_per_token`` of an MoE decoder: :func:`training_flops_per_token` with the routed
+    experts at the top_k / num_experts share a token runs through (active parameters)."""
+    return training_flops_per_token(moe_param_shapes(args), seq_len, blocks=args.n_layers, heads=args.n_heads,
+                                    qk_head_dim=args.head_dim, v_head_dim=args.head_dim,
+                                    tie_embeddings=args.tie_embeddings, expert_share=args.top_k / args.num_experts)
 
 
 def moe_ffn_width(args) -> int:

@@ -12,7 +12,7 @@ from typing import Callable
 
 from models.common.planning import ParamSpec
 
-__all__ = ["transformer_param_shapes", "dense_feed_forward", "llama_param_shapes", "attention_flops_per_token",
+__all__ = ["transformer_param_shapes", "dense_feed_forward", "llama_param_shapes", "training_flops_per_token",
            "llama_flops_per_token", "llama_ffn_width"]
 
 
@@ -56,18 +56,35 @@ def llama_param_shapes(args) -> list[ParamSpec]:
     return transformer_param_shapes(args, dense_feed_forward)
 
 
-def attention_flops_per_token(args, seq_len: int) -> float:
-    """12 · L · n_heads · head_dim · seq_len: the QK^T and PV matmuls of training (PaLM App. B),
-    without the causal-mask saving."""
-    return 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+def training_flops_per_token(params: list[ParamSpec], seq_len: int, *, blocks: int, heads: int, qk_head_dim: int,
+                             v_head_dim: int, tie_embeddings: bool, expert_share: float = 1.0) -> float:
+    """Training FLOPs (forward + backward) per token of a decoder, the one formula every family uses:
+    6·N + 6·blocks·heads·(qk_head_dim + v_head_dim)·seq_len (PaLM, Chowdhery et al. 2022, App. B).
+
+    6 = 2 (multiply-add) × 3 (forward, and backward for inputs and weights) per weight. N counts
+    ``params`` without the embedding (a lookup) unless it is tied to the output head, and a routed
+    expert's tensors (``ParamSpec.expert``) at ``expert_share`` (top_k / num_experts: a token runs
+    through top_k of them). The second term is the QKᵀ (width qk_head_dim) and PV (width v_head_dim)
+    matmuls of ``blocks`` attention layers, without the causal-mask saving, as TorchTitan counts them.
+
+    Raises:
+        ValueError: ``seq_len`` not positive.
+    """
+    if seq_len <= 0:
+        raise ValueError(f"seq_len={seq_len} must be positive (tokens per sequence)")
+    n = 0.0
+    for p in params:
+        if p.name.startswith("tok_embeddings") and not tie_embeddings:
+            continue
+        n += p.numel * (expert_share if p.expert else 1)
+    return 6 * n + 6 * blocks * heads * (qk_head_dim + v_head_dim) * seq_len
 
 
 def llama_flops_per_token(args, seq_len: int) -> float:
-    """Training FLOPs per token, 6N + attention (PaLM App. B), N without the embedding unless tied
-    (as ``LlamaModelArgs.get_nparams_and_flops``)."""
-    n = sum(p.numel for p in llama_param_shapes(args)
-            if args.tie_embeddings or not p.name.startswith("tok_embeddings"))
-    return 6 * n + attention_flops_per_token(args, seq_len)
+    """``ModelSpec.flops_per_token`` of a dense decoder (:func:`training_flops_per_token`)."""
+    return training_flops_per_token(llama_param_shapes(args), seq_len, blocks=args.n_layers, heads=args.n_heads,
+                                    qk_head_dim=args.head_dim, v_head_dim=args.head_dim,
+                                    tie_embeddings=args.tie_embeddings)
 
 
 def llama_ffn_width(args) -> int:

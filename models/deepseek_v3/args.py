@@ -21,10 +21,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import torch.nn as nn
 
 from models.common.moe_args import MoEModelArgs
 
@@ -70,7 +66,6 @@ class DeepseekV3ModelArgs(MoEModelArgs):
     n_shared_experts: int = 1
     n_dense_layers: int = 3
     score_func: str = "sigmoid"
-    route_norm: bool = True
     route_scale: float = 2.5
     q_lora_rank: int = 1536
     kv_lora_rank: int = 512
@@ -79,8 +74,6 @@ class DeepseekV3ModelArgs(MoEModelArgs):
     v_head_dim: int = 128
     n_group: int = 8
     topk_group: int = 4
-    rope_yarn_beta_fast: float = 32.0
-    rope_yarn_beta_slow: float = 1.0
     rope_yarn_mscale: float = 1.0
     rope_yarn_mscale_all_dim: float = 1.0
     num_nextn_predict_layers: int = 0
@@ -173,28 +166,3 @@ class DeepseekV3ModelArgs(MoEModelArgs):
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"DeepseekV3ModelArgs.num_nextn_predict_layers={n!r} must be an integer >= 0 "
                              "(multi-token-prediction depths; 0 = none)")
-
-    def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
-        """(total parameters, training FLOPs per token), active experts only.
-
-        6 · N_active_nonembedding + 6 · L · n_heads · (qk_head_dim + v_head_dim) · seq_len: the
-        weights (PaLM App. B) and the QKᵀ (width qk_head_dim) and PV (width v_head_dim) matmuls,
-        without the causal-mask saving, L the blocks present in ``model``.
-
-        Raises:
-            ValueError: seq_len not positive.
-        """
-        if seq_len <= 0:
-            raise ValueError(f"seq_len={seq_len} must be positive (tokens per sequence)")
-        total, active = self.count_params(model)
-        tok = getattr(model, "tok_embeddings", None)
-        n_embedding = 0 if tok is None or self.tie_embeddings else tok.weight.numel()
-        layers = getattr(model, "layers", None)
-        n_layers = len(layers) if layers is not None else self.n_layers
-        mtp = getattr(model, "mtp", None)
-        if mtp is not None:  # each MTP depth runs one more block, whose token also uses top_k experts only
-            n_layers += len(mtp)
-            n_moe = sum(self.is_moe_layer(module.layer_id) for module in mtp.values())
-            active -= n_moe * (self.num_experts - self.top_k) * self.expert_params
-        attention = 6 * n_layers * self.n_heads * (self.qk_head_dim + self.v_head_dim) * seq_len
-        return total, 6 * (active - n_embedding) + attention

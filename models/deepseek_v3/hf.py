@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from models.common.hf import (HFAdapter, Rule, embedding_rule, head_rules, norm_rules, one, require, rope_scaling_of, same,
-                       validated_args, yarn_fields)
-from models.llama.hf import feed_forward_rules
-from models.moe.hf import stack_transposed, unstack_transposed
+from models.common.hf import (HFAdapter, Rule, embedding_rule, feed_forward_rules, head_rules, norm_rules, one, require,
+                              rope_scaling_of, same, stack_transposed, unstack_transposed, validated_args, yarn_fields)
 
 __all__ = ["DEEPSEEK_V3_HF_ADAPTER"]
 

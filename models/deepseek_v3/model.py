@@ -26,7 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from models.common.document_mask import document_attention
-from models.common.decoder import _init_linear, apply_rope
+from models.common.init import init_linear
+from models.common.rope import apply_rope
 from models.deepseek_v3.args import DeepseekV3ModelArgs
 from models.deepseek_v3.mtp import MTPModule, mtp_targets, token_sum_cross_entropy
 from models.deepseek_v3.yarn import deepseek_rope_tables
@@ -117,8 +118,8 @@ class MLAttention(nn.Module):
         """Input projections ~ trunc_normal(0.02), wo ~ trunc_normal(init_std) (TorchTitan's scheme); norms = 1."""
         for name in ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b"):
             if hasattr(self, name):
-                _init_linear(getattr(self, name), 0.02, seed, f"{prefix}.{name}")
-        _init_linear(self.wo, init_std, seed, f"{prefix}.wo")
+                init_linear(getattr(self, name), 0.02, seed, f"{prefix}.{name}")
+        init_linear(self.wo, init_std, seed, f"{prefix}.wo")
         self.kv_norm.reset_parameters()
         if self.q_lora_rank:
             self.q_norm.reset_parameters()

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.common.decoder import _init_linear
+from models.common.init import init_linear
 from models.common.linear_cross_entropy import linear_cross_entropy_sum, z_loss_token_sum
 
 __all__ = ["MTPModule", "mtp_targets", "token_sum_cross_entropy"]
@@ -59,7 +59,7 @@ class MTPModule(nn.Module):
         """Norms = 1, eh_proj ~ trunc_normal(0.02) from (seed, its name), the block as the main ones."""
         for norm in (self.enorm, self.hnorm, self.norm):
             norm.reset_parameters()
-        _init_linear(self.eh_proj, 0.02, seed, f"mtp.{self.layer_id}.eh_proj")
+        init_linear(self.eh_proj, 0.02, seed, f"mtp.{self.layer_id}.eh_proj")
         self.block.init_weights(seed)
 
 

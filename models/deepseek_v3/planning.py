@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from models.common.moe_shapes import _moe_feed_forward, moe_ffn_width, moe_routing
-from models.common.planning import AttentionActivations, ExpertRouting, FeedForwardActivations, ParamSpec
+from models.common.moe_shapes import moe_feed_forward, moe_ffn_width
+from models.common.shapes import training_flops_per_token
+from models.common.planning import AttentionActivations, FeedForwardActivations, ParamSpec
 
-__all__ = ["deepseek_v3_param_shapes", "deepseek_v3_flops_per_token", "deepseek_v3_ffn_width",
-           "deepseek_v3_routing", "deepseek_v3_attention_activations",
+__all__ = ["deepseek_v3_param_shapes", "deepseek_v3_flops_per_token", "deepseek_v3_attention_activations",
            "deepseek_v3_ffn_activations", "deepseek_v3_prediction_blocks"]
 
 
@@ -44,7 +44,7 @@ def deepseek_v3_param_shapes(args) -> list[ParamSpec]:
                         on_last_stage=args.num_nextn_predict_layers > 0)]
     for layer in range(args.n_layers):
         p = f"layers.{layer}."
-        params += _mla(args, layer, p) + _moe_feed_forward(args, layer, p)
+        params += _mla(args, layer, p) + moe_feed_forward(args, layer, p)
         params += [ParamSpec(p + "attention_norm.weight", (dim,), layer, norm=True),
                    ParamSpec(p + "ffn_norm.weight", (dim,), layer, norm=True)]
     params.append(ParamSpec("norm.weight", (dim,), None, norm=True))
@@ -59,7 +59,7 @@ def _mtp(args) -> list[ParamSpec]:
     dim, params = args.dim, []
     for k in range(args.num_nextn_predict_layers):
         layer, p = args.n_layers + k, f"mtp.{k}."
-        block = _mla(args, layer, p + "block.") + _moe_feed_forward(args, layer, p + "block.") + [
+        block = _mla(args, layer, p + "block.") + moe_feed_forward(args, layer, p + "block.") + [
             ParamSpec(p + "block.attention_norm.weight", (dim,), layer, norm=True),
             ParamSpec(p + "block.ffn_norm.weight", (dim,), layer, norm=True)]
         params += [ParamSpec(p + "enorm.weight", (dim,), None, norm=True),
@@ -71,25 +71,12 @@ def _mtp(args) -> list[ParamSpec]:
 
 
 def deepseek_v3_flops_per_token(args, seq_len: int) -> float:
-    """6·N_active + 6·L·n_heads·(qk_head_dim + v_head_dim)·seq_len (PaLM App. B; QKᵀ and PV of
-    their own widths), as ``DeepseekV3ModelArgs.get_nparams_and_flops``."""
-    n = 0.0
-    for p in deepseek_v3_param_shapes(args):
-        if p.name.startswith("tok_embeddings") and not args.tie_embeddings:
-            continue
-        n += p.numel * (args.top_k / args.num_experts if p.expert else 1)
-    blocks = args.n_layers + args.num_nextn_predict_layers
-    return 6 * n + 6 * blocks * args.n_heads * (args.qk_head_dim + args.v_head_dim) * seq_len
-
-
-def deepseek_v3_ffn_width(args) -> int:
-    """top_k routed copies plus the shared experts' width (models/common/moe_shapes.py ``moe_ffn_width``)."""
-    return moe_ffn_width(args)
-
-
-def deepseek_v3_routing(args) -> ExpertRouting:
-    """``ModelSpec.expert_routing``: top_k of num_experts from layer n_dense_layers on."""
-    return moe_routing(args)
+    """``ModelSpec.flops_per_token``: :func:`models.common.shapes.training_flops_per_token` with MLA's
+    own query/key and value widths, active experts only, the MTP depths' blocks counted as blocks."""
+    return training_flops_per_token(deepseek_v3_param_shapes(args), seq_len,
+                                    blocks=args.n_layers + args.num_nextn_predict_layers, heads=args.n_heads,
+                                    qk_head_dim=args.qk_head_dim, v_head_dim=args.v_head_dim,
+                                    tie_embeddings=args.tie_embeddings, expert_share=args.top_k / args.num_experts)
 
 
 def deepseek_v3_attention_activations(args) -> AttentionActivations:

@@ -1,25 +1,17 @@
-"""LLaMA-3 model family; importing this package registers the "llama" ModelSpec."""
+"""LLaMA-3 (Grattafiori et al. 2024): the dense decoder of models/common with Meta's flavors and the
+Hugging Face ``llama`` adapter; importing this package registers the "llama" ModelSpec."""
 
 from models.common.args import LlamaModelArgs
+from models.common.checks import decoder_parallelism_check
+from models.common.specs import DENSE_DECODER
 from models.llama.flavors import llama3_flavors
-from models.common.checks import validate_llama_parallelism
 from models.registry import ModelSpec, register_model_spec
 
 __all__ = ["LlamaModelArgs", "Transformer", "llama3_flavors"]
 
-register_model_spec(
-    ModelSpec(
-        name="llama",
-        model_cls="models.common.decoder:Transformer",
-        flavors=llama3_flavors,
-        parallelize_plan="models.common.parallelize:LLAMA_PLAN",
-        validate_parallelism_fn=validate_llama_parallelism,
-        hf_adapter="models.llama.hf:LLAMA_HF_ADAPTER",
-        param_shapes="models.common.shapes:llama_param_shapes",
-        flops_per_token="models.common.shapes:llama_flops_per_token",
-        ffn_width="models.common.shapes:llama_ffn_width",
-    )
-)
+register_model_spec(ModelSpec(
+    name="llama", flavors=llama3_flavors, hf_adapter="models.llama.hf:LLAMA_HF_ADAPTER",
+    validate_parallelism_fn=decoder_parallelism_check("llama", sparse_family="moe"), **DENSE_DECODER))
 
 
 def __getattr__(name: str):

@@ -6,8 +6,8 @@ Weight names map one to one (models/common/hf.py: the q/k permutation of RoPE's 
 
 from __future__ import annotations
 
-from models.common.hf import (HFAdapter, Rule, attention_rules, common_args, common_config,
-                       embedding_rule, head_rules, norm_rules, one, require, same, validated_args)
+from models.common.hf import (HFAdapter, Rule, attention_rules, common_args, common_config, embedding_rule,
+                              feed_forward_rules, head_rules, norm_rules, require, validated_args)
 
 __all__ = ["LLAMA_HF_ADAPTER"]
 
@@ -32,13 +32,6 @@ def config_from_args(args, *, dtype: str, bos_id: int | None, eos_id: int | None
                            bos_id=bos_id, eos_id=eos_id)
     config["mlp_bias"] = False
     return config
-
-
-def feed_forward_rules(layer: int) -> list[Rule]:
-    """The SwiGLU w1/w2/w3 of block ``layer`` (gate_proj, down_proj, up_proj)."""
-    hf, q = f"model.layers.{layer}.mlp.", f"layers.{layer}.feed_forward."
-    return [Rule(q + f"{w}.weight", (hf + f"{proj}.weight",), same, one)
-            for w, proj in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))]
 
 
 def weight_rules(args) -> list[Rule]:

@@ -12,7 +12,8 @@ one [hidden, dim] / [dim, hidden] matrix per expert (``nn.Linear`` layout); Quad
 from __future__ import annotations
 
 from models.common.hf import (HFAdapter, HFConfigError, Rule, attention_rules, common_args, common_config,
-                       embedding_rule, head_rules, norm_rules, one, require, same, validated_args)
+                              embedding_rule, head_rules, norm_rules, one, require, same, stack_transposed,
+                              unstack_transposed, validated_args)
 
 __all__ = ["MIXTRAL_HF_ADAPTER"]
 
@@ -62,18 +63,6 @@ def config_from_args(args, *, dtype: str, bos_id: int | None, eos_id: int | None
                   num_experts_per_tok=args.top_k, router_aux_loss_coef=args.aux_loss_coeff,
                   output_router_logits=False, router_jitter_noise=0.0, sliding_window=None)
     return config
-
-
-def stack_transposed(tensors):
-    """E matrices [a, b] (nn.Linear layout) -> [E, b, a] (x @ w layout)."""
-    import torch
-
-    return torch.stack([t.t() for t in tensors])
-
-
-def unstack_transposed(w):
-    """[E, b, a] -> E matrices [a, b]."""
-    return [w[e].t() for e in range(w.shape[0])]
 
 
 def weight_rules(args) -> list[Rule]:

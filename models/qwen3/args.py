@@ -46,35 +46,22 @@ class Qwen3ModelArgs(LlamaModelArgs):
 
 
 @dataclass
-class Qwen3MoEModelArgs(MoEModelArgs):
-    """Qwen3-MoE: ``MoEModelArgs`` with Qwen3's attention and routing defaults (Qwen3-30B-A3B's shape).
+class Qwen3MoEModelArgs(Qwen3ModelArgs, MoEModelArgs):
+    """Qwen3-MoE: Qwen3's attention defaults (``Qwen3ModelArgs``) with the MoE decoder's fields
+    (``MoEModelArgs``: softmax routing renormalized over the chosen experts, no shared experts, every
+    layer MoE, no routing bias, all its defaults), at Qwen3-30B-A3B's shape.
 
-    Routing: softmax over ``num_experts`` gate logits, top ``top_k``, the k weights renormalized to
-    sum to 1 (Hugging Face's ``norm_topk_prob``), no shared experts, every layer MoE
-    (``decoder_sparse_step`` 1, no ``mlp_only_layers``), no routing bias. ``aux_loss_coeff`` is
-    Hugging Face's ``router_aux_loss_coef`` (0.001), applied to Quadra's sequence-wise balance loss
-    (models/common/moe.py) rather than transformers' loss over the whole batch.
-    ``ffn_hidden_size`` keeps the published ``intermediate_size``, which no layer uses.
+    Routing as Hugging Face's ``norm_topk_prob`` (decoder_sparse_step 1, no ``mlp_only_layers``).
+    ``aux_loss_coeff`` is Hugging Face's ``router_aux_loss_coef`` (0.001), applied to Quadra's
+    sequence-wise balance loss (models/common/moe.py) rather than transformers' loss over the whole
+    batch. ``ffn_hidden_size`` keeps the published ``intermediate_size``, which no layer uses.
     """
 
     dim: int = 2048
     n_layers: int = 48
-    n_heads: int = 32
     n_kv_heads: int | None = 4
-    vocab_size: int = 151936
-    norm_eps: float = 1e-6
-    rope_theta: float = 1000000.0
-    max_seq_len: int = 40960
     ffn_hidden_size: int | None = 6144
-    head_size: int | None = 128
-    qk_norm: bool = True
     num_experts: int = 128
     top_k: int = 8
     moe_inter_dim: int = 768
-    n_shared_experts: int = 0
-    n_dense_layers: int = 0
-    score_func: str = "softmax"
-    route_norm: bool = True
-    route_scale: float = 1.0
-    load_balance_coeff: float = 0.0
     aux_loss_coeff: float = 0.001

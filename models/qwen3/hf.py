@@ -20,9 +20,8 @@ HF -> Quadra -> HF is bitwise. Refusals are :class:`models.common.hf.HFConfigErr
 from __future__ import annotations
 
 from models.common.hf import (HFAdapter, HFConfigError, Rule, attention_rules, common_config, embedding_rule,
-                       head_rules, norm_rules, one, require, rope_from_config, same, validated_args)
-from models.llama.hf import feed_forward_rules
-from models.moe.hf import stack_transposed, unstack_transposed
+                              feed_forward_rules, head_rules, norm_rules, one, require, rope_from_config, same,
+                              stack_transposed, unstack_transposed, validated_args)
 
 __all__ = ["QWEN3_HF_ADAPTER", "QWEN3_MOE_HF_ADAPTER"]
 
