@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Write the generated key reference of engine/docs/configuration.md from engine/config/schema.py.
+"""Write the generated key reference of engine/docs/configuration.md from engine/config/schema*.py.
 
     python scripts/config_docs.py            # rewrite the part between the page's markers
     python scripts/config_docs.py --check    # exit 1, naming this command, when the page is out of date
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.check:
         if rendered != text:
-            print(f"config_docs: {args.page} differs from engine/config/schema.py; regenerate it: {REGENERATE}",
+            print(f"config_docs: {args.page} differs from engine/config/schema*.py; regenerate it: {REGENERATE}",
                   file=sys.stderr)
             return 1
         print(f"{args.page} is up to date")

@@ -36,7 +36,8 @@ def _args(ctx: Ctx, seq: int):
 
 def row_float8(ctx: Ctx) -> dict:
     """float8 (tensorwise, torchao) vs bf16: loss and step time (module docstring)."""
-    from engine.config.schema import Float8Section, OptimizerSection
+    from engine.config.schema import OptimizerSection
+    from engine.config.schema_scale import Float8Section
     from engine.train.optimizer import build_optimizer
     from parallelisms.compile import apply_compile
     from parallelisms.data_parallel import apply_fsdp

@@ -32,8 +32,8 @@ PACKAGES = ("engine", "models", "parallelisms")
 # checkpoint markers, model registry, flavors, checks, layout rules), the planner (scripts/plan.py
 # re-runs itself only when it needs torch) and each family's torch-free half.
 TORCH_FREE = (
-    "engine.config", "engine.config.loading", "engine.config.schema", "engine.config.toml_format",
-    "engine.config.value_checks",
+    "engine.config", "engine.config.loading", "engine.config.schema", "engine.config.schema_scale",
+    "engine.config.schema_observe", "engine.config.toml_format", "engine.config.value_checks",
     "engine.config.validation", "engine.config.fingerprint", "engine.config.__main__", "engine.config.reference",
     "engine.launch", "engine.launch.launcher", "engine.launch.dry_run", "engine.setup", "engine.setup.preflight",
     "engine.planner", "engine.planner.activations", "engine.planner.comm", "engine.planner.estimate",

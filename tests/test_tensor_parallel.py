@@ -294,7 +294,7 @@ def test_bad_setting_fails_on_every_rank(name, rank_results):
 
 
 def _validate(tp: int, *, seq_len: int = 64, device_type: str = "cpu", compile_enabled: bool = False, **changes):
-    from engine.config.schema import ParallelismSection
+    from engine.config.schema_scale import ParallelismSection
     from models import get_model_args
     from models.registry import get_model_spec
 

@@ -2,7 +2,8 @@
 line, range checks and warnings, and TOML writing. Imports no torch (the launcher's pre-flight reads
 the config before torch is loaded).
 
-Modules: ``schema`` (sections, their keys, defaults and docs), ``loading`` (:class:`JobConfig`,
+Modules: ``schema`` (sections, their keys, defaults and docs; ``schema_scale`` and ``schema_observe`` hold
+the sections for running at scale and for watching a run), ``loading`` (:class:`JobConfig`,
 :func:`load_config`, ``--help``), ``value_checks`` (one value's type and allowed values, and
 :class:`ConfigError`), ``validation`` (what the config alone can refuse or warn about),
 ``toml_format`` (values as TOML and command-line text), ``reference`` (every key as the markdown of

@@ -3,7 +3,8 @@
 Precedence is command line > TOML file > dataclass default. Keys are strict: an unknown section
 or key, a value of the wrong type, or an enum value outside its allowed set raises
 :class:`ConfigError` with a "did you mean" suggestion or the fix. The sections and their keys are
-defined (with their docs) in :mod:`engine.config.schema`; ``--help`` lists every one of them.
+defined (with their docs) in :mod:`engine.config.schema`, :mod:`engine.config.schema_scale` and
+:mod:`engine.config.schema_observe`; ``--help`` lists every one of them.
 
 Typical use::
 
@@ -30,11 +31,14 @@ else:  # pragma: no cover - exercised only on Python 3.10
 from engine.config.toml_format import toml_value
 from engine.config.validation import config_warnings, range_problems
 from engine.config.value_checks import ConfigError, check_value, field_default, parse_cli_value
-from engine.config.schema import (  # the section dataclasses, re-exported for type hints
-    ActivationCheckpointSection, CheckpointSection, CommSection, CompileSection, DataSection, DocumentMaskSection,
-    EvalSection, FaultToleranceSection, Float8Section, JobSection, LossSection, LRSchedulerSection, MetricsSection,
-    ModelSection, OptimizerSection,
-    ParallelismSection, ProfilingSection, RecordSection, StepHealthSection, TrainingSection, ValidationSection,
+from engine.config.schema import (
+    DataSection, DocumentMaskSection, EvalSection, JobSection, LossSection, LRSchedulerSection, ModelSection,
+    OptimizerSection, StepHealthSection, TrainingSection, ValidationSection,
+)
+from engine.config.schema_observe import MetricsSection, ProfilingSection, RecordSection
+from engine.config.schema_scale import (
+    ActivationCheckpointSection, CheckpointSection, CommSection, CompileSection, FaultToleranceSection, Float8Section,
+    ParallelismSection,
 )
 
 __all__ = [

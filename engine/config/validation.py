@@ -11,8 +11,8 @@ import re
 from typing import Any
 
 from engine.config.extras import missing_extra
+from engine.config.schema_scale import CheckpointSection
 from engine.config.toml_format import toml_value
-from engine.config.schema import CheckpointSection
 
 
 def loss_problems(loss, p) -> list[tuple[bool, str, Any, str]]:
