@@ -152,12 +152,12 @@ def family_import_violations(path: str, family: str | None, families: set[str]) 
     family."""
     with open(path, encoding="utf-8") as fh:
         tree = ast.parse(fh.read(), path)
-    out = []
+    bad = {}
     for line, module in imported_modules(tree):
         parts = module.split(".")
         if parts[0] == "models" and len(parts) > 1 and parts[1] in families and parts[1] != family:
-            out.append(f"{os.path.relpath(path, REPO)}:{line} imports {module}")
-    return sorted(set(out))
+            bad.setdefault(line, module)  # one report per import statement
+    return [f"{os.path.relpath(path, REPO)}:{line} imports {module}" for line, module in sorted(bad.items())]
 
 
 def test_a_family_imports_only_common_and_the_registry():
