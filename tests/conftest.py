@@ -21,7 +21,7 @@ from tests.training_utils import MAX_NORM, REPO, SMALL_CORPUS, base_args, clippi
 
 
 class _TextBatches:
-    """What engine/data/loader.py's ``iter_text_batches`` returns under :func:`_share_packed_corpora`:
+    """What engine/data/builders.py's ``iter_text_batches`` returns under :func:`_share_packed_corpora`:
     the same batches, and the dataset and column they come from (the key of the packed stream)."""
 
     def __init__(self, real, ds, column: str, batch_size: int, **kwargs):
@@ -35,7 +35,7 @@ def _share_packed_corpora() -> None:
     """Read and tokenize each local corpus file once per test process, not once per training run.
 
     Most tests train many runs (layouts, ranks, resumes) on the same small file with the same
-    tokenizer; engine/data/loader.py reads it with ``load_documents`` (datasets) and tokenizes it
+    tokenizer; engine/data/builders.py reads it with ``load_documents`` (datasets) and tokenizes it
     with ``pack_documents`` each time: a quarter of a forked two-rank run's time. Both are pure
     functions of the file's bytes, the text column and the tokenizer file, so their results are kept
     here, keyed by those (path, size and modification time of both files): a file that a test
@@ -45,7 +45,7 @@ def _share_packed_corpora() -> None:
     """
     if os.environ.get("QUADRA_TEST_READ_EVERY_RUN") == "1" or importlib.util.find_spec("datasets") is None:
         return  # (the GPU machine has no `datasets`; its tests read no corpus)
-    import engine.data.loader as loader
+    import engine.data.builders as loader
 
     real_load, real_iter, real_pack = loader.load_documents, loader.iter_text_batches, loader.pack_documents
     loaded: dict = {}

@@ -86,7 +86,7 @@ def _train(folder: str, world_size: int, common: dict) -> dict:
 def _batches(tokenizer: str, folder: str, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The (inputs, labels) [8, 32] of the first ``steps`` global batches a run of ``base_args`` trains."""
     from engine.config import load_config
-    from engine.data.loader import build_dataloader
+    from engine.data.builders import build_dataloader
     from engine.data.tokenizer import Tokenizer
 
     cfg = load_config(base_args(folder, {"model.tokenizer_path": tokenizer}))

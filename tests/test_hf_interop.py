@@ -273,7 +273,7 @@ def test_converted_checkpoint_trains_under_fsdp_and_tp_and_exports(converted, hf
     import torch.nn.functional as F
 
     from engine.config import load_config
-    from engine.data.loader import build_dataloader
+    from engine.data.builders import build_dataloader
     from engine.data.tokenizer import Tokenizer
     from engine.testing.processes import run_distributed
 

@@ -5,7 +5,8 @@ Modules: ``sources`` (reading documents with Hugging Face ``datasets``), ``token
 (SentencePiece), ``packing`` (documents -> ``seq_len + 1`` token windows), ``streaming`` (windows of
 a streaming dataset and a resume that seeks), ``prepared``/``prepare``/``prepared_windows``/
 ``checksums``/``order``/``readahead`` (prepared, memory-mapped sets), ``loader`` (the stateful
-per-rank loaders and their builders), ``batch_sizes`` (global batch and gradient accumulation).
+per-rank loaders), ``builders`` (a loader from the ``[data]`` or ``[validation]`` section: its source),
+``batch_sizes`` (global batch and gradient accumulation).
 
 The names below are imported on first use (PEP 562), so that ``engine.data.batch_sizes`` and the
 path checks of ``engine.data.sources`` stay usable without torch or ``datasets`` (the launcher's
@@ -19,8 +20,8 @@ import importlib
 _EXPORTS = {
     "PackedDataLoader": "loader",
     "ValidationDataLoader": "loader",
-    "build_dataloader": "loader",
-    "build_validation_dataloader": "loader",
+    "build_dataloader": "builders",
+    "build_validation_dataloader": "builders",
     "Tokenizer": "tokenizer",
     "resolve_batch_sizes": "batch_sizes",
     "load_documents": "sources",
