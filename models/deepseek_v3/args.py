@@ -100,14 +100,6 @@ class DeepseekV3ModelArgs(MoEModelArgs):
         return self.rope_scaling == "yarn"
 
     @property
-    def rope_summary(self) -> str:
-        """The RoPE frequencies in words, for messages: "YaRN (factor 40, ...)" or "none"."""
-        if not self.yarn_enabled:
-            return f"none (rope_theta {self.rope_theta:g}, unscaled)"
-        return (f"YaRN (factor {self.rope_scaling_factor:g}, original_max_seq_len {self.rope_original_max_seq_len}, "
-                f"beta_fast {self.rope_yarn_beta_fast:g}, beta_slow {self.rope_yarn_beta_slow:g})")
-
-    @property
     def rope_attention_factor(self) -> float:
         """Factor on the cos/sin tables (1 without YaRN)."""
         if not self.yarn_enabled:

@@ -10,8 +10,8 @@ experts, top-8 of a softmax over all experts renormalized over the chosen 8, no 
 
 No new fields: the classes exist so that a Qwen3 checkpoint's record (models/registry.py) names its
 family, and so that Qwen3's defaults (theta 1e6, eps 1e-6, QK-norm, head 128) are in one place.
-Parameter / FLOP accounting is LLaMA's and the MoE model's (``get_nparams_and_flops``), which use
-``head_dim`` (= ``head_size``) for the attention term.
+FLOPs per token are the common decoders' (models/common/shapes.py ``training_flops_per_token``),
+whose attention term uses ``head_dim`` (= ``head_size``).
 """
 
 from __future__ import annotations
