@@ -33,6 +33,8 @@ declare -A TESTS=(
   [engine/launch/failures.py]="tests/test_failure_rules.py tests/test_recovery_units.py tests/test_launch.py"
   [engine/launch/launcher.py]="tests/test_launcher_rules.py tests/test_launcher_launch_rules.py
     tests/test_recovery_units.py tests/test_launch.py"
+  [engine/launch/environment.py]="tests/test_launcher_rules.py tests/test_launcher_launch_rules.py
+    tests/test_recovery_units.py tests/test_launch.py"
   [engine/launch/replica_groups.py]="tests/test_replica_groups_rules.py tests/test_fault_tolerance.py"
   [engine/train/downstream.py]="tests/test_downstream_rules.py tests/test_downstream.py"
   # (test_wandb.py's launches run ./run_train.sh, which in mutmut's copy of the tree sets up a .venv without

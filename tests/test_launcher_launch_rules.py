@@ -1,10 +1,10 @@
 """The exit status of ``python -m engine.launch`` (engine/launch/launcher.py) from its entry, in-process:
 the config, the pre-flight's checks and torchrun's agent are stubbed, so nothing starts
 (tests/test_launch.py launches for real; tests/test_launcher_rules.py holds the failure summary, the
-signals and the launch numbers). Oracles: the module's docstring: a config, launch-setting or set-up
-problem is one line and exit 2, before anything starts; a run that ends well exits 0, a failed one with
-its ranks' status (a hang: its line, 1; a second Ctrl-C: 130); a dry run and a replica-group launch exit
-with their own status."""
+signals and the launch numbers), and torchrun's command line (engine/launch/environment.py). Oracles: the
+module's docstring: a config, launch-setting or set-up problem is one line and exit 2, before anything
+starts; a run that ends well exits 0, a failed one with its ranks' status (a hang: its line, 1; a second
+Ctrl-C: 130); a dry run and a replica-group launch exit with their own status."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import types
 
 import pytest
 
-from engine.launch import launcher
+from engine.launch import environment, launcher
 
 TERM = -int(signal.SIGTERM)
 
@@ -47,7 +47,7 @@ def stubbed(monkeypatch):
 
     monkeypatch.setattr(preflight, "check_setup", check_setup)
     monkeypatch.setattr(preflight, "hardware_warnings", lambda cfg, device: ["cpu says"])
-    monkeypatch.setattr(launcher, "_gpus_visible", lambda: 0)
+    monkeypatch.setattr(launcher, "gpus_visible", lambda: 0)
     monkeypatch.setattr(launcher, "_launch", lambda *args: seen.launches.append(args) or 0)
     return seen
 
@@ -294,7 +294,8 @@ def test_torchruns_command_line_for_one_node_static_nodes_and_an_elastic_range(m
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    args = launcher.torchrun_args(2, nnodes, ENTRY, restarts) if restarts else launcher.torchrun_args(2, nnodes, ENTRY)
+    torchrun_args = environment.torchrun_args
+    args = torchrun_args(2, nnodes, ENTRY, restarts) if restarts else torchrun_args(2, nnodes, ENTRY)
     assert args == [*launch, f"--max-restarts={restarts}", *TAIL]
 
 
@@ -311,19 +312,19 @@ def test_a_node_setting_that_cannot_work_is_refused(monkeypatch, env, nnodes, li
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    with pytest.raises(launcher._LaunchError) as error:
-        launcher.torchrun_args(2, nnodes, ENTRY)
+    with pytest.raises(environment.LaunchError) as error:
+        environment.torchrun_args(2, nnodes, ENTRY)
     assert str(error.value) == line
 
 
 def test_the_ranks_per_node_are_ngpu_else_the_gpus_else_2(monkeypatch):
     monkeypatch.delenv("NGPU", raising=False)
-    assert (launcher._nproc_per_node(0), launcher._nproc_per_node(4)) == (2, 4)
+    assert (environment.nproc_per_node(0), environment.nproc_per_node(4)) == (2, 4)
     monkeypatch.setenv("NGPU", "3")
-    assert launcher._nproc_per_node(8) == 3
-    monkeypatch.setattr(launcher.shutil, "which", lambda name: None)
-    monkeypatch.setattr(launcher.os.path, "exists", lambda path: False)
-    assert launcher._gpus_visible() == 0  # no driver: torch is not asked
+    assert environment.nproc_per_node(8) == 3
+    monkeypatch.setattr(environment.shutil, "which", lambda name: None)
+    monkeypatch.setattr(environment.os.path, "exists", lambda path: False)
+    assert environment.gpus_visible() == 0  # no driver: torch is not asked
 
 
 def test_with_gpus_the_fit_check_warns_and_the_device_is_cuda(stubbed, monkeypatch, capsys):
@@ -331,7 +332,7 @@ def test_with_gpus_the_fit_check_warns_and_the_device_is_cuda(stubbed, monkeypat
 
     import engine.setup.preflight as preflight
 
-    monkeypatch.setattr(launcher, "_gpus_visible", lambda: 3)  # NGPU unset: one rank per visible GPU
+    monkeypatch.setattr(launcher, "gpus_visible", lambda: 3)  # NGPU unset: one rank per visible GPU
     monkeypatch.setattr(dry, "fit_warning", lambda cfg, world, gpus_per_node, setup: (
         cfg is stubbed.cfg and setup.warnings and f"fit {world} {gpus_per_node}"))
     monkeypatch.setattr(preflight, "hardware_warnings", lambda cfg, device: [f"{device} says"])

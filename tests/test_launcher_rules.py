@@ -1,8 +1,9 @@
 """The exit status of ``python -m engine.launch`` (engine/launch/launcher.py) for each way a run ends,
 in-process with torchrun, the config and the pre-flight stubbed (tests/test_launch.py launches for
-real). Oracles: the module's docstring: a pre-flight or launch-setting problem is one line and exit 2;
-a failure exits with the ranks' status (2 for set-up errors, 1 for a signal or a rank without its
-code); a second Ctrl-C exits 130; SIGTERM / SIGUSR1 / the first SIGINT are forwarded to the ranks."""
+real), and the launch numbers it reads (engine/launch/environment.py). Oracles: the module's docstring: a
+pre-flight or launch-setting problem is one line and exit 2; a failure exits with the ranks' status (2 for
+set-up errors, 1 for a signal or a rank without its code); a second Ctrl-C exits 130; SIGTERM / SIGUSR1 /
+the first SIGINT are forwarded to the ranks."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import types
 
 import pytest
 
-from engine.launch import launcher
+from engine.launch import environment, launcher
 from engine.launch.failures import PEER_FAILURE, crash_report, crash_summary
 
 TERM = -int(signal.SIGTERM)
@@ -209,7 +210,7 @@ def test_children_are_read_from_proc_stat_whatever_their_names_and_vanishing_pro
     ("NGPU", "", None), ("NGPU", "3", 3), ("NGPU", " 4", 4), ("MAX_RESTARTS", "0", 0), ("NODE_RANK", "0", 0)])
 def test_a_launch_number_is_read_or_defaulted(monkeypatch, name, value, number):
     monkeypatch.setenv(name, value)
-    assert launcher._env_int(name, None) == number
+    assert environment.env_int(name, None) == number
 
 
 @pytest.mark.parametrize("name, value, kind", [
@@ -218,22 +219,22 @@ def test_a_launch_number_is_read_or_defaulted(monkeypatch, name, value, number):
     ("NGPU", "\u00b2", "positive")])  # a digit to isdigit, not to int
 def test_a_launch_number_that_cannot_work_is_refused(monkeypatch, name, value, kind):
     monkeypatch.setenv(name, value)
-    with pytest.raises(launcher._LaunchError, match=rf"^{name}={value!r} must be a {kind} integer; set {name} to "
+    with pytest.raises(environment.LaunchError, match=rf"^{name}={value!r} must be a {kind} integer; set {name} to "
                        rf"a number or leave it unset$".replace("+", r"\+").replace(".", r"\.")):
-        launcher._env_int(name, 1)
+        environment.env_int(name, 1)
 
 
 @pytest.mark.parametrize("value, nodes", [("", (1, 1)), ("3", (3, 3)), ("2:4", (2, 4)), ("1:1", (1, 1))])
 def test_nnodes_is_a_count_or_a_range(monkeypatch, value, nodes):
     monkeypatch.setenv("NNODES", value)
-    assert launcher._nnodes() == nodes
+    assert environment.node_range() == nodes
 
 
 @pytest.mark.parametrize("value", ["0:2", "3:2", "a:2", "2:", ":2", "-1:2"])
 def test_a_node_range_that_cannot_work_is_refused(monkeypatch, value):
     monkeypatch.setenv("NNODES", value)
-    with pytest.raises(launcher._LaunchError, match=r"must be N or MIN:MAX with 1 <= MIN <= MAX, e.g. NNODES=2:4$"):
-        launcher._nnodes()
+    with pytest.raises(environment.LaunchError, match=r"must be N or MIN:MAX with 1 <= MIN <= MAX, e.g. NNODES=2:4$"):
+        environment.node_range()
 
 
 @pytest.mark.parametrize("smi, ctl, available, gpus", [
@@ -242,8 +243,8 @@ def test_a_node_range_that_cannot_work_is_refused(monkeypatch, value):
 def test_torch_counts_the_gpus_only_where_a_driver_is(monkeypatch, smi, ctl, available, gpus):
     import torch
 
-    monkeypatch.setattr(launcher.shutil, "which", lambda name: smi if name == "nvidia-smi" else None)
-    monkeypatch.setattr(launcher.os.path, "exists", lambda path: ctl and path == "/dev/nvidiactl")
+    monkeypatch.setattr(environment.shutil, "which", lambda name: smi if name == "nvidia-smi" else None)
+    monkeypatch.setattr(environment.os.path, "exists", lambda path: ctl and path == "/dev/nvidiactl")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: available if smi or ctl else 1 / 0)  # asked only there
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
-    assert launcher._gpus_visible() == gpus
+    assert environment.gpus_visible() == gpus

@@ -28,7 +28,8 @@ Environment: ``NGPU`` (processes on this node; default: visible GPUs, else 2), `
 ``MIN:MAX``: elastic, with ``RDZV_ID`` and ``RDZV_CONF``), ``MAX_RESTARTS`` (default 0),
 ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` (rendezvous when ``NNODES > 1``: torchrun's static
 rendezvous, so node ``NODE_RANK`` holds ranks ``NODE_RANK × NGPU ...``), ``LOG_RANKS`` (local ranks whose
-output is shown), ``OMP_NUM_THREADS`` (default: cores / NGPU).
+output is shown), ``OMP_NUM_THREADS`` (default: cores / NGPU). They are read and checked, and torchrun's
+command line made from them, in engine/launch/environment.py.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ import sys
 import tempfile
 import time
 
+from engine.launch.environment import (LaunchError, env_int, gpus_visible, node_range,  # torch-free
+                                       nproc_per_node, torchrun_args)
 from engine.launch.failures import PEER_FAILURE, crash_report, crash_summary, how_it_ended  # torch-free
 from engine.launch.replica_groups import (ReplicaLaunchError, check_lighthouse, group_arguments,  # torch-free
                                           launch_replica_groups, lighthouse_address)
@@ -50,96 +53,6 @@ ABORT_EXIT = 130  # 128 + SIGINT, the shell's convention for a run interrupted b
 
 def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)  # (flush: stderr is line-buffered since Python 3.9: equivalent)
-
-
-def _env_int(name: str, default: int | None) -> int | None:
-    value = os.environ.get(name, "")
-    if value == "":
-        return default
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    zero_ok = name in ("NODE_RANK", "MAX_RESTARTS")
-    if number < (0 if zero_ok else 1) or not value.strip().lstrip("-").isdigit():  # (negatives fail the < first)
-        raise _LaunchError(f"{name}={value!r} must be a {'non-negative' if zero_ok else 'positive'} "
-                           f"integer; set {name} to a number or leave it unset")
-    return number
-
-
-def _nnodes() -> tuple[int, int]:
-    """``NNODES`` as (min, max) nodes: ``N`` is (N, N), ``MIN:MAX`` torchrun's elastic range."""
-    value = os.environ.get("NNODES", "")  # (any default without ':' reads NNODES again)
-    if ":" not in value:
-        n = _env_int("NNODES", 1)
-        return n, n
-    low, _, high = value.partition(":")  # (one ':' in a valid range: partition = rpartition)
-    if not (low.isdigit() and high.isdigit()) or not 1 <= int(low) <= int(high):
-        raise _LaunchError(f"NNODES={value!r} must be N or MIN:MAX with 1 <= MIN <= MAX, e.g. NNODES=2:4")
-    return int(low), int(high)
-
-
-class _LaunchError(Exception):
-    """A launch setting (environment variable) that cannot work; printed as one line, exit 2."""
-
-
-def _gpus_visible() -> int:
-    """CUDA devices torch sees; torch (seconds to import) is only asked where a GPU driver exists."""
-    if shutil.which("nvidia-smi") is None and not os.path.exists("/dev/nvidiactl"):
-        return 0
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _nproc_per_node(gpus: int) -> int:
-    ngpu = _env_int("NGPU", None)
-    return ngpu if ngpu is not None else (gpus or 2)
-
-
-def torchrun_args(nproc: int, nnodes: int | tuple[int, int], entry: list[str], max_restarts: int = 0) -> list[str]:
-    """torchrun's command line for this node (see the module docstring for the environment).
-
-    Single node: ``--standalone`` (a private rendezvous on a free port). Several nodes: the static
-    rendezvous on ``MASTER_ADDR:MASTER_PORT`` with ``--node-rank=NODE_RANK``, so global ranks follow
-    the node ranks the user gave (torchrun's c10d rendezvous would rank nodes by arrival and ignore
-    ``NODE_RANK``). ``nnodes`` = (MIN, MAX) with MIN < MAX: torchrun's c10d rendezvous, hosted on
-    ``MASTER_ADDR:MASTER_PORT`` by that node's agent, run id ``RDZV_ID`` (default "quadra"),
-    ``RDZV_CONF`` passed as ``--rdzv-conf`` (e.g. ``last_call_timeout=10``). ``max_restarts``:
-    torchrun's ``--max-restarts``.
-
-    Raises:
-        _LaunchError: ``NNODES > 1`` without ``MASTER_ADDR`` or ``NODE_RANK``, or a ``NODE_RANK``
-            outside [0, NNODES); ``NNODES=MIN:MAX`` without ``MASTER_ADDR``.
-    """
-    signals = "--signals-to-handle=SIGHUP,SIGQUIT"  # TERM, USR1 and INT are ours (see _Signals)
-    low, nnodes = (nnodes, nnodes) if isinstance(nnodes, int) else nnodes
-    if low < nnodes:
-        addr = os.environ.get("MASTER_ADDR", "")  # (None or '': both refused)
-        if not addr:
-            raise _LaunchError(f"NNODES={low}:{nnodes} needs MASTER_ADDR (the address of the node that hosts the "
-                               "rendezvous, and must stay up); set it on every node")
-        launch = [f"--nnodes={low}:{nnodes}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-                  f"--rdzv-endpoint={addr}:{_env_int('MASTER_PORT', 29500)}",
-                  f"--rdzv-id={os.environ.get('RDZV_ID') or 'quadra'}"]
-        if os.environ.get("RDZV_CONF"):
-            launch.append(f"--rdzv-conf={os.environ['RDZV_CONF']}")
-    elif nnodes == 1:
-        launch = ["--standalone", "--nnodes=1", f"--nproc-per-node={nproc}"]
-    else:
-        addr = os.environ.get("MASTER_ADDR", "")  # (None or '': both refused)
-        node_rank = _env_int("NODE_RANK", None)
-        if not addr or node_rank is None:
-            raise _LaunchError(f"NNODES={nnodes} needs MASTER_ADDR (the first node's address) and NODE_RANK "
-                               f"(this node's index, 0..{nnodes - 1}); set both on every node")
-        if node_rank >= nnodes:
-            raise _LaunchError(f"NODE_RANK={node_rank} must be below NNODES={nnodes}; number the nodes 0..{nnodes - 1}")
-        port = _env_int("MASTER_PORT", 29500)
-        launch = [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--nproc-per-node={nproc}",
-                  "--rdzv-backend=static", f"--master-addr={addr}", f"--master-port={port}"]
-    if os.environ.get("LOG_RANKS"):
-        launch.append(f"--local-ranks-filter={os.environ['LOG_RANKS']}")
-    return [*launch, f"--max-restarts={max_restarts}", signals, *entry]
 
 
 class _Signals:
@@ -256,10 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv)
         cfg.validate()
-        nodes = _nnodes()
-        max_restarts = _env_int("MAX_RESTARTS", 0)
-        gpus = _gpus_visible()
-        nproc = _nproc_per_node(gpus)
+        nodes = node_range()
+        max_restarts = env_int("MAX_RESTARTS", 0)
+        gpus = gpus_visible()
+        nproc = nproc_per_node(gpus)
         if cfg.job.dry_run:  # one process, no rendezvous: NNODES needs no MASTER_ADDR here
             from engine.launch.dry_run import dry_run
 
@@ -272,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         _say(f"config error: {error}")
         return 2
-    except (_LaunchError, ReplicaLaunchError) as error:
+    except (LaunchError, ReplicaLaunchError) as error:
         _say(f"launch error: {error}")
         return 2
     status = _preflight(cfg, groups_here or nproc, nodes, gpus)
