@@ -112,7 +112,7 @@ def make_ctx(args):
     """The rows' Ctx from the command line (defaults per mode: full, --quick, --dry-cpu)."""
     import torch
 
-    from gpu_check_rows import Ctx
+    from gpu_check_common import Ctx
 
     if args.dry_cpu:
         defaults = dict(mfu_shape="3B", seq_len=64, batch=2, steps=3, warmup=1)
@@ -276,7 +276,7 @@ def _run(args, start: float) -> int:
             row.update(status="FAIL", reason=f"over its {seconds:.0f} s budget")
             broken = not _cuda_healthy(ctx)
         except Exception as error:  # noqa: BLE001 - one failing row must not stop the others
-            from gpu_check_rows import Skip
+            from gpu_check_common import Skip
 
             row.update(status="skip" if isinstance(error, Skip) else "FAIL", reason=_one_line(error))
             broken = not _cuda_healthy(ctx)

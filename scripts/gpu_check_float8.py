@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from gpu_check_rows import Ctx, Skip, build_model, process_group, step_loss, synthetic_batch
+from gpu_check_common import Ctx, Skip, build_model, process_group, step_loss, synthetic_batch
 
 LOSS_REL = 2e-2  # float8 vs bf16 loss, relative, mean of the last 10 steps (module docstring)
 

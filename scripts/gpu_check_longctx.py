@@ -17,7 +17,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from gpu_check_rows import Ctx, build_model, process_group, rel_err, step_loss, synthetic_batch
+from gpu_check_common import Ctx, build_model, process_group, rel_err, step_loss, synthetic_batch
 
 FP32_REL, BF16_REL = 1e-4, 3e-2
 

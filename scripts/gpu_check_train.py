@@ -3,7 +3,7 @@ per-block torch.compile against eager, and the MFU of a LLaMA-3 1B/3B shape.
 
 Each row builds its model the way the engine does (meta model → parallelisms.* → to_empty +
 init_weights) and trains on uniform random tokens (no dataset). Conventions as in
-scripts/gpu_check_rows.py: a row returns ``{name: number}`` or raises.
+scripts/gpu_check_common.py: a row returns ``{name: number}`` or raises.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from gpu_check_rows import (
+from gpu_check_common import (
     BF16_REL, Ctx, build_model, mfu_args, process_group, rel_err, small_args, step_loss, synthetic_batch,
 )
 

@@ -27,7 +27,7 @@ def gpu_check(monkeypatch):
 
 
 def test_a_failing_or_slow_row_does_not_stop_the_others(gpu_check, monkeypatch, tmp_path, capsys):
-    from gpu_check_rows import Skip
+    from gpu_check_common import Skip
 
     def slow(ctx):
         time.sleep(30)
