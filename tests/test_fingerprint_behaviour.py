@@ -263,7 +263,8 @@ def _write_files(folder: str) -> None:
     import dataclasses
 
     from engine.data.prepare import prepare
-    from models.registry import get_model_args, model_record
+    from models.registry import get_model_args
+    from models.resolve import model_record
     from scripts.train_tokenizer import main as train_tokenizer_main
 
     os.makedirs(folder)

@@ -96,7 +96,7 @@ def quadra_model(checkpoint_dir: str):
 
     from engine.checkpoint.state import quiet_single_process
     from engine.setup.model_builder import build_meta_model, materialize
-    from models.registry import args_from_record
+    from models.resolve import args_from_record
 
     spec, args = args_from_record(files.read_marker(checkpoint_dir)["model"], checkpoint_dir)
     model = materialize(build_meta_model(spec, args), torch.device("cpu"), seed=0)

@@ -46,7 +46,7 @@ def test_past_max_seq_len_is_planned_with_one_warning_and_recorded(short_model, 
     from engine.config import load_config
     from engine.setup.preflight import check_setup
     from models.common.hf import common_config
-    from models.registry import args_from_record
+    from models.resolve import args_from_record
 
     cfg = load_config(base_args(str(tmp_path), {"model.args_path": short_model}))
     cfg.validate()

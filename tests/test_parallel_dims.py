@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from engine.setup.model_builder import resolve_model_args
+from models.resolve import resolve_model_args
 from models.registry import get_model_spec
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
 from engine.testing.processes import run_distributed
@@ -88,7 +88,7 @@ def test_tokenizer_larger_than_model():
 
 def test_seq_len_over_model_maximum_trains_with_rope_tables_of_that_length():
     """Context extension: the tables cover the run's length (the warning: tests/test_long_context.py)."""
-    from models.registry import long_context_warning
+    from models.resolve import long_context_warning
 
     spec, args = resolve_model_args(model_cfg(), seq_len=4096, tokenizer_vocab_size=4096)
     assert args.max_seq_len == 4096

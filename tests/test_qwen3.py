@@ -326,7 +326,7 @@ def test_yarn_is_validated_and_named_past_the_trained_length():
     trained length names it in its one warning (models/registry.py ``long_context_warning``)."""
     import dataclasses
 
-    from models.registry import long_context_warning
+    from models.resolve import long_context_warning
 
     base = get_model_args("qwen3", "debugmodel_tiny")
     yarn = dataclasses.replace(base, rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_max_seq_len=512)

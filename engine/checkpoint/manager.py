@@ -69,7 +69,7 @@ class CheckpointManager(LoadingMixin):
         dist_info: the rank's ``engine.train.distributed.DistInfo``.
         parallel_dims: the degrees (recorded in the marker; the pp group checks model keys).
         config_toml: the run's config as TOML, stored with every checkpoint.
-        model_record: the model's architecture (``models.registry.model_record``), stored with every
+        model_record: the model's architecture (``models.resolve.model_record``), stored with every
             checkpoint as quadra.json's "model" so tools and later runs know what it holds.
 
     Raises:

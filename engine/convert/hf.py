@@ -101,7 +101,7 @@ def import_hf_model(hf_dir: str, checkpoint_dir: str) -> dict:
         CheckpointError: no config.json, an unsupported model (see the family's models/<family>/hf.py), a missing or
             unexpected weight, or a weight whose shape does not match config.json.
     """
-    from models.registry import model_record, read_json
+    from models.resolve import model_record, read_json
 
     config_path = os.path.join(hf_dir, "config.json")
     config = read_json(config_path, "from-hf needs a Hugging Face model folder with config.json and *.safetensors",
@@ -151,7 +151,7 @@ def import_hf_model(hf_dir: str, checkpoint_dir: str) -> dict:
 def _checkpoint_model(checkpoint_dir: str, marker: dict):
     """(name, args) of the model a checkpoint holds: its quadra.json's record, or else the [model]
     section of the config stored with it."""
-    from models.registry import args_from_record, base_model_args
+    from models.resolve import args_from_record, base_model_args
 
     where = f"{checkpoint_dir}/{files.MARKER}"
     if "model" in marker:

@@ -190,7 +190,7 @@ def save_seed_checkpoint(cfg) -> str:
     from engine.config import config_to_toml
     from engine.setup.model_builder import build_model_parts
     from engine.setup.preflight import resolve_model_setup
-    from models.registry import model_record
+    from models.resolve import model_record
 
     folder = os.path.join(cfg.run_folder, cfg.checkpoint.folder)
     found = files.scan(folder)

@@ -18,7 +18,7 @@ import logging
 import torch
 import torch.nn as nn
 
-from models.registry import ModelSpec, load_ref, resolve_model_args  # noqa: F401  (re-exported)
+from models.registry import ModelSpec, load_ref
 
 
 def build_meta_model(spec: ModelSpec, args) -> nn.Module:

@@ -28,8 +28,8 @@ from engine.data.prepared import is_prepared, open_checked, parse_mixture, token
 from engine.data.sources import looks_like_local_path, resolve_local_files
 from engine.data.tokenizer import Tokenizer, require_bos
 from engine.observe.sinks import wandb_credentials_problem
-from models.registry import (args_from_record, first_args_difference, get_model_spec, list_model_names,
-                             long_context_warning, model_record, resolve_model)
+from models.registry import get_model_spec, list_model_names
+from models.resolve import args_from_record, first_args_difference, long_context_warning, model_record, resolve_model
 from parallelisms.checks import validate_context_parallel
 from parallelisms.float8_checks import validate_float8
 from parallelisms.parallel_dims import ParallelDims
@@ -46,7 +46,7 @@ class SetupPlan:
         parallel_dims: validated degrees (``dp_shard = -1`` resolved), no mesh built.
         model_spec, model_args: the registry entry and the flavor's arguments as trained (vocabulary
             and ``max_seq_len = training.seq_len`` applied).
-        model_record: the architecture before ``seq_len`` (``models.registry.model_record``), which
+        model_record: the architecture before ``seq_len`` (``models.resolve.model_record``), which
             checkpoints store; model_label: its source for messages ("llama/8B").
         tokenizer_vocab_size: pieces in ``model.tokenizer_path``.
         global_batch_size, grad_accum_steps: sequences per optimizer step and microbatches per rank.
@@ -92,7 +92,7 @@ class ModelSetup:
 
 
 def resolve_model_setup(cfg) -> ModelSetup:
-    """Load the tokenizer and resolve the model (``models.registry.resolve_model``), no layout rule.
+    """Load the tokenizer and resolve the model (``models.resolve.resolve_model``), no layout rule.
 
     Raises:
         ValueError or FileNotFoundError: a bad tokenizer path or ``[model]`` setting, one line.
