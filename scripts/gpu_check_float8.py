@@ -26,7 +26,7 @@ LOSS_REL = 2e-2  # float8 vs bf16 loss, relative, mean of the last 10 steps (mod
 
 def _args(ctx: Ctx, seq: int):
     """LLaMA shape of the row: 8 blocks of width 2048, SwiGLU 8192 (GEMMs float8 gains on); dry: tiny."""
-    from models.llama.args import LlamaModelArgs
+    from models.common.args import LlamaModelArgs
 
     if ctx.dry:
         return LlamaModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, max_seq_len=seq)

@@ -198,7 +198,7 @@ class LRSchedulerSection:
 
 @dataclass
 class LossSection:
-    """``[loss]``: how the token-sum cross entropy is computed (models/linear_cross_entropy.py) and
+    """``[loss]``: how the token-sum cross entropy is computed (models/common/linear_cross_entropy.py) and
     what further terms the objective adds (multi-token prediction, arXiv 2412.19437 §2.2)."""
 
     z_loss_weight: float = _opt(0.0, "PaLM's z-loss (Chowdhery et al. 2022, Sec. 5): adds weight x logsumexp(logits)^2 "
@@ -212,7 +212,7 @@ class LossSection:
 
 @dataclass
 class DocumentMaskSection:
-    """``[document_mask]``: attention within each packed document (models/document_mask.py)."""
+    """``[document_mask]``: attention within each packed document (models/common/document_mask.py)."""
 
     enable: bool = _opt(False, "block-causal attention: a token attends only to earlier tokens of its own document "
                                "(Llama 3's mask across documents; documents begin at the tokenizer's BOS)")
