@@ -1,4 +1,4 @@
-"""engine/observe/metrics.py and engine/observe/flops.py: console line, jsonl, TensorBoard, MFU, peak FLOPS."""
+"""engine/observe/metrics.py, console.py and flops.py: console line, jsonl, TensorBoard, MFU, peak FLOPS."""
 
 import json
 import logging
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from engine.observe.flops import compute_mfu, compute_tflops, get_peak_flops, lookup_peak_tflops
-from engine.observe.metrics import MetricsLogger, device_memory_stats, format_duration, init_logging
+from engine.observe.console import format_duration, init_logging
+from engine.observe.metrics import MetricsLogger, device_memory_stats
 
 
 def _cfg(**overrides):

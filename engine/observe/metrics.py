@@ -1,4 +1,5 @@
-"""Training metrics: console line, TensorBoard scalars, a metrics.jsonl file and W&B (engine/observe/sinks.py).
+"""Training metrics: console line (engine/observe/console.py), TensorBoard scalars, a metrics.jsonl file and
+W&B (engine/observe/sinks.py).
 
 The trainer drives one ``MetricsLogger`` per rank::
 
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 
+from engine.observe.console import console_line, format_value
 from engine.observe.flops import compute_mfu, compute_tflops, get_peak_flops
 from engine.observe.hardware import lookup_gpu
 from engine.observe.sinks import WandbSink, drop_records_from
@@ -36,28 +38,6 @@ from engine.observe.sinks import WandbSink, drop_records_from
 logger = logging.getLogger("quadra")
 
 _GIB = float(2**30)
-
-
-def init_logging(rank: int, level: int = logging.INFO, quiet: bool = False) -> logging.Logger:
-    """Send the "quadra" logger to stdout with a ``[rank<r>] `` prefix and set ``level``.
-
-    ``quiet``: only warnings and errors (ranks other than 0, whose info lines repeat rank 0's).
-
-    Idempotent: calling it again (e.g. in tests) replaces the handler it added before. The logger
-    still propagates to the root logger, so pytest's ``caplog`` sees its records.
-    """
-    quadra_logger = logging.getLogger("quadra")
-    for handler in list(quadra_logger.handlers):
-        if getattr(handler, "_quadra_handler", False):
-            quadra_logger.removeHandler(handler)
-    handler = logging.StreamHandler(sys.stdout)
-    handler._quadra_handler = True  # type: ignore[attr-defined]
-    handler.setFormatter(
-        logging.Formatter(f"[rank{rank}] %(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
-    )
-    quadra_logger.addHandler(handler)
-    quadra_logger.setLevel(max(level, logging.WARNING) if quiet else level)
-    return quadra_logger
 
 
 def device_memory_stats(device: torch.device | str, reset: bool = True) -> dict[str, float]:
@@ -87,14 +67,6 @@ def device_memory_stats(device: torch.device | str, reset: bool = True) -> dict[
     return {}
 
 
-def format_duration(seconds: float) -> str:
-    """``H:MM:SS`` with unbounded hours (e.g. 83.4 -> "0:01:23", 90000 -> "25:00:00")."""
-    total = int(round(seconds))
-    hours, rest = divmod(total, 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}"
-
-
 def _to_float(key: str, value: Any) -> float | None:
     """Accept Python numbers, 0-d/1-element tensors and None; anything else is a TypeError."""
     if value is None:
@@ -108,11 +80,6 @@ def _to_float(key: str, value: Any) -> float | None:
     raise TypeError(f"metric {key!r} must be a number, a scalar tensor or None, got {type(value).__name__}")
 
 
-def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
-    """Format ``value`` with ``spec`` (a format spec such as ".4f"); None -> "n/a"."""
-    return "n/a" if value is None else f"{value:{spec}}{suffix}"
-
-
 def _json_safe(record: dict[str, Any]) -> dict[str, Any]:
     """Strict JSON has no NaN/Infinity: write those as null."""
     return {
@@ -120,8 +87,6 @@ def _json_safe(record: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-# Console format of the scalars the trainer usually passes; others use ".4g".
-_USER_FORMATS = {"loss": ".4f", "grad_norm": ".4f", "lr": ".4e"}
 # Keys computed by the logger; the trainer may not pass them.
 _COMPUTED_KEYS = (
     "step", "kind", "tok_per_s_per_dev", "tflops_per_dev", "mfu_pct", "data_pct",
@@ -278,29 +243,10 @@ class MetricsLogger:
         self._reset_interval()
         if self.is_logging_rank or getattr(self.cfg, "log_all_ranks", False):
             # Other ranks print only when asked (e.g. to see every pipeline rank report the same loss).
-            logger.info(self._console_line(record, list(metrics)))
+            logger.info(console_line(record, list(metrics)))
         if self.is_logging_rank:
             self._write("train", record)
         return record
-
-    def _console_line(self, record: dict[str, Any], user_keys: list[str]) -> str:
-        """``step: 12  loss: 5.4321  ...  eta: 0:01:23`` (two spaces between pairs)."""
-        ordered = [k for k in _USER_FORMATS if k in user_keys]
-        ordered += [k for k in user_keys if k not in _USER_FORMATS]
-        parts = [f"step: {record['step']}"]
-        parts += [f"{k}: {_fmt(record[k], _USER_FORMATS.get(k, '.4g'))}" for k in ordered]
-        tps = record["tok_per_s_per_dev"]
-        parts.append(f"tok/s/dev: {'n/a' if tps is None else f'{round(tps):,}'}")
-        parts.append(f"tflops: {_fmt(record['tflops_per_dev'], '.2f')}")
-        parts.append(f"mfu: {_fmt(record['mfu_pct'], '.2f', '%')}")
-        # CUDA: peak reserved (what the caching allocator took from the device, the figure that
-        # hits OOM); CPU: the process's max RSS.
-        mem = record.get("mem_peak_reserved_gib", record.get("mem_max_rss_gib"))
-        parts.append(f"mem: {_fmt(mem, '.2f', 'GiB')}")
-        parts.append(f"data: {_fmt(record['data_pct'], '.1f', '%')}")
-        eta = record["eta_s"]
-        parts.append(f"eta: {'n/a' if eta is None else format_duration(eta)}")
-        return "  ".join(parts)
 
     def _open(self, step: int) -> None:
         """Open metrics.jsonl for appending and the TensorBoard writer, replacing an earlier launch's
@@ -359,8 +305,8 @@ class MetricsLogger:
         }
         if self.is_logging_rank:
             logger.info(
-                f"step: {step}  val_loss: {_fmt(record['loss'], '.4f')}  "
-                f"val_perplexity: {_fmt(record['perplexity'], '.2f')}"
+                f"step: {step}  val_loss: {format_value(record['loss'], '.4f')}  "
+                f"val_perplexity: {format_value(record['perplexity'], '.2f')}"
             )
             self._write("validation", record)
         return record

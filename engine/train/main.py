@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signals.install()  # before set-up, so that a stop signal during it is not lost
     from engine.train.distributed import die_with_parent, is_peer_failure, shutdown_distributed
-    from engine.observe.metrics import init_logging
+    from engine.observe.console import init_logging
     from engine.train.trainer import Trainer, TrainingDivergedError
 
     if os.environ.get("QUADRA_LAUNCHER"):
