@@ -31,6 +31,13 @@ def log_step(metrics, step: int, record: dict, dataloader) -> None:
         times = step_attribution(step_s=record["step_seconds"], **phases) if phases else {}
         metrics.log(step, {**logged, **record["model_metrics"]}, files_only={**times, **dataloader.log_metrics()})
 
+
+class AfterStepError(RuntimeError):
+    """Reporting after a trained and saved step failed (profiler trace, metrics, validation); the
+    message (:func:`after_step_message`) is one line naming the phase, the step, the reason and the
+    newest complete checkpoint."""
+
+
 _FIXES = {"validation": "set validation.enable = false to train on without it",
           "downstream evaluation": "set eval.enable = false to train on without it",
           "profiler": "set profiling.enable = false",

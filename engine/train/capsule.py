@@ -10,7 +10,6 @@ another precision and compared. Written by rank 0 (every rank takes the same dec
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -97,25 +96,45 @@ def write_capsule(path: str, verdict, *, loader_state: dict, lr: float, fingerpr
     os.replace(path + ".tmp", path)
 
 
-def report_unhealthy(trainer, verdict, lr: float) -> str:
-    """A skipped or fatal step of ``trainer`` (engine/train/trainer.py): on rank 0 the capsule, the
-    metrics record and, for a skip, the console line (a failure to write them is a warning, so the
-    ranks stay in step). Returns the capsule's path (the caller raises for a fatal verdict)."""
-    path = capsule_path(trainer.run_folder, verdict.step)
-    if trainer.dist.rank != 0:
+class UnhealthyStepReport:
+    """Reports a skipped or fatal step (``Trainer.train_step`` calls it with the step's verdict): on
+    rank 0 the capsule, the ``skipped_step`` metrics record and, for a skip, the console line (a
+    failure to write them is a warning, so the ranks stay in step).
+
+    Args:
+        run_folder: the capsules go to ``<run_folder>/capsules/``.
+        rank, world_size, parallel_dims: this rank and the layout recorded in each capsule.
+        dataloader: its ``state_dict()`` after the step names the step's data.
+        fingerprint: the run's config fingerprint.
+        thresholds: the ``[step_health]`` settings, as a dict.
+        checkpoint_folder: the checkpoint folder (the replay source), or None when checkpointing is off.
+        metrics: the run's ``engine.observe.metrics.MetricsLogger``.
+        step_health: the run's ``engine.train.step_health.StepHealth`` (its skip count).
+    """
+
+    def __init__(self, run_folder: str, *, rank: int, world_size: int, parallel_dims, dataloader, fingerprint: str,
+                 thresholds: dict, checkpoint_folder: str | None, metrics, step_health):
+        self.run_folder, self.rank, self.world_size, self.parallel_dims = run_folder, rank, world_size, parallel_dims
+        self.dataloader, self.fingerprint, self.thresholds = dataloader, fingerprint, thresholds
+        self.checkpoint_folder, self.metrics, self.step_health = checkpoint_folder, metrics, step_health
+
+    def __call__(self, verdict, lr: float) -> str:
+        """Report ``verdict`` (``lr``: the rate the step would have applied); -> the capsule's path
+        (the caller raises for a fatal verdict)."""
+        path = capsule_path(self.run_folder, verdict.step)
+        if self.rank != 0:
+            return path
+        try:
+            write_capsule(path, verdict, loader_state=self.dataloader.state_dict(), lr=lr,
+                          fingerprint=self.fingerprint, world_size=self.world_size, parallel_dims=self.parallel_dims,
+                          thresholds=self.thresholds, checkpoint_folder=self.checkpoint_folder)
+            self.metrics.log_event("skipped_step", {"step": verdict.step, "reason": verdict.reason,
+                                                    "value": verdict.value, "zscore": verdict.zscore,
+                                                    "skipped_total": self.step_health.skipped})
+        except OSError as error:
+            logger.warning("step %d: capsule or metrics record not written (%s)", verdict.step, error)
+        if verdict.fatal is None:
+            z = "n/a" if verdict.zscore is None else f"{verdict.zscore:.2f}"
+            logger.warning("step %d skipped: %s %s (z-score %s); capsule %s", verdict.step, verdict.reason,
+                           verdict.value, z, path)
         return path
-    try:
-        write_capsule(path, verdict, loader_state=trainer.dataloader.state_dict(), lr=lr,
-                      fingerprint=trainer.fingerprint, world_size=trainer.dist.world_size,
-                      parallel_dims=trainer.parallel_dims, thresholds=dataclasses.asdict(trainer.cfg.step_health),
-                      checkpoint_folder=trainer.checkpointer.folder if trainer.cfg.checkpoint.enable else None)
-        trainer.metrics.log_event("skipped_step", {"step": verdict.step, "reason": verdict.reason,
-                                                   "value": verdict.value, "zscore": verdict.zscore,
-                                                   "skipped_total": trainer.step_health.skipped})
-    except OSError as error:
-        logger.warning("step %d: capsule or metrics record not written (%s)", verdict.step, error)
-    if verdict.fatal is None:
-        z = "n/a" if verdict.zscore is None else f"{verdict.zscore:.2f}"
-        logger.warning("step %d skipped: %s %s (z-score %s); capsule %s", verdict.step, verdict.reason,
-                       verdict.value, z, path)
-    return path

@@ -1,12 +1,15 @@
 """Evaluation between training steps: the validation loss and the ``[eval]`` downstream tasks
 (engine/train/downstream.py), each when due, timed as evaluation in the goodput ledger
-(engine/observe/goodput.py ``evaluation_s``), never as step time."""
+(engine/observe/goodput.py ``evaluation_s``), never as step time; a service of the loop
+(engine/train/services.py)."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+
+from engine.train.services import Service
 
 
 @torch.no_grad()
@@ -28,21 +31,43 @@ def validation_loss(runner, loader, model_parts, local_batch_size: int, device, 
     return float(totals[0] / totals[1].clamp_min(1))
 
 
-def evaluate_when_due(trainer, last: int) -> None:
-    """After step ``trainer.step`` (``last``: the loop's final step): the validation loss every
-    ``validation.freq`` steps and the downstream tasks every ``eval.freq`` steps, both at ``last``;
-    each logged (metrics.jsonl, TensorBoard, W&B). Sets ``trainer._after_step_phase`` for the
-    one-line error of a failure (engine/train/after_step.py)."""
-    step, v = trainer.step, trainer.cfg.validation
-    if v.enable and (step % v.freq == 0 or step == last):
-        trainer._after_step_phase = "validation"
-        with trainer.recovery.evaluating():
-            val_loss = trainer.validate()
-        trainer._after_step_phase = "metrics"
-        trainer.metrics.log_validation(step, val_loss, math.exp(min(val_loss, 50.0)))
-    if trainer.downstream is not None and trainer.downstream.due(step, last):
-        trainer._after_step_phase = "downstream evaluation"
-        with trainer.recovery.evaluating():
-            results, _ = trainer.downstream.evaluate(trainer.model_parts, trainer.device)
-        trainer._after_step_phase = "metrics"
-        trainer.metrics.log_eval(step, results)
+class Evaluation(Service):
+    """After each reported step (``after_save``): the validation loss every ``validation.freq`` steps
+    and the downstream tasks every ``eval.freq`` steps, both at the loop's last step; each logged
+    (metrics.jsonl, TensorBoard, W&B) and timed by ``timing``. :attr:`phase` names the part that
+    failed in the one-line error (engine/train/after_step.py).
+
+    Args:
+        validation: the ``[validation]`` section (``enable``, ``freq``).
+        validate: () -> the validation loss (nats per token), e.g. ``Trainer.validate``.
+        downstream: the ``[eval]`` tasks (engine/train/downstream.py ``DownstreamEvaluation``), or None.
+        model_parts, device: what the downstream tasks evaluate, and where.
+        metrics: the run's ``engine.observe.metrics.MetricsLogger``.
+        timing: ``timing(step)``, a context manager around each evaluation (engine/train/recovery.py
+            ``RunRecovery.evaluating``).
+    """
+
+    phase = "validation"
+
+    def __init__(self, validation, validate, downstream, *, model_parts, device, metrics, timing):
+        self.validation, self.validate, self.downstream = validation, validate, downstream
+        self.model_parts, self.device, self.metrics, self.timing = model_parts, device, metrics, timing
+        self.last = 0
+
+    def on_start(self, step: int, last: int) -> None:
+        self.last = last
+
+    def after_save(self, record: dict) -> None:
+        step, v = record["step"], self.validation
+        if v.enable and (step % v.freq == 0 or step == self.last):
+            self.phase = "validation"
+            with self.timing(step):
+                val_loss = self.validate()
+            self.phase = "metrics"
+            self.metrics.log_validation(step, val_loss, math.exp(min(val_loss, 50.0)))
+        if self.downstream is not None and self.downstream.due(step, self.last):
+            self.phase = "downstream evaluation"
+            with self.timing(step):
+                results, _ = self.downstream.evaluate(self.model_parts, self.device)
+            self.phase = "metrics"
+            self.metrics.log_eval(step, results)

@@ -33,6 +33,12 @@ import math
 import warnings
 from dataclasses import dataclass, field
 
+
+class TrainingDivergedError(RuntimeError):
+    """The loss became NaN or Inf, or step_health.max_consecutive_skips steps in a row were skipped;
+    raised on every rank at the same step (``Trainer.train_step``)."""
+
+
 def advance_lr_schedule(lr_scheduler) -> None:
     """``lr_scheduler.step()`` for a skipped step: the schedule advances as if the update had been
     applied. Torch warns when a scheduler steps before the optimizer ever did (a skipped first step);
