@@ -140,7 +140,9 @@ class TrainerBuilding:
         self.checkpointer.load()
         if self.cfg.metrics.enable_wandb:  # one W&B run per job: the checkpoint's id, else the run folder's
             self.metrics.wandb_run_id = job_run_id(self.metrics.wandb_run_id, self.run_folder, self.dist)
-        if self.ft is not None:
+        if self.ft is not None:  # what heals a peer, or is healed (engine/train/fault_tolerance.py)
+            self.ft.attach(model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+                           dataloader=self.dataloader, state_dict=self.state_dict, load_state_dict=self.load_state_dict)
             self.ft.resume_at(self.step)
         self.metrics.run_info = {"fingerprint": self.fingerprint}
         if self.checkpointer.fingerprint_change:

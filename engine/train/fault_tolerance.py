@@ -86,11 +86,12 @@ def _optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> dict:
 class ReplicaGroup:
     """This rank's side of a torchft replica group (one ``torchft.Manager`` per rank).
 
+    Built first of all (its heartbeat makes the lighthouse wait for this group); the state it sends
+    to a healing peer, or replaces when this group heals, is given by :meth:`attach` once built.
+
     Args:
         section: the ``[fault_tolerance]`` config section (``replica_id`` >= 0 here: the launcher
             gives each group its id).
-        trainer: the :class:`engine.train.trainer.Trainer` whose state heals a peer or is healed
-            (``model_parts``, ``optimizer``, ``lr_scheduler``, ``dataloader``, ``state_dict``).
         rank, world_size: this rank in its group (torchrun's RANK / WORLD_SIZE of the launch).
         device: the training device (CPU: torchft's gloo group; CUDA: its NCCL group).
 
@@ -99,7 +100,7 @@ class ReplicaGroup:
         RuntimeError (torchft): the lighthouse cannot be reached within the quorum timeout.
     """
 
-    def __init__(self, section, trainer, *, rank: int, world_size: int, device: torch.device):
+    def __init__(self, section, *, rank: int, world_size: int, device: torch.device):
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
@@ -107,7 +108,7 @@ class ReplicaGroup:
             raise ValueError(f"fault_tolerance.replica_id = {section.replica_id}: a rank needs its group's id; "
                              "start the groups with ./run_train.sh (replica_id = -1) or give each launch "
                              "--fault_tolerance.replica_id N")
-        self.trainer = trainer
+        self.rank, self.state = rank, None
         self.replica_id, self.group_size = section.replica_id, section.group_size
         timeout = timedelta(seconds=section.quorum_timeout_seconds)
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
@@ -122,9 +123,16 @@ class ReplicaGroup:
         )
         self.participants, self.wait_all, self.timeout = 0, True, timeout
 
+    def attach(self, *, model_parts, optimizer, lr_scheduler, dataloader, state_dict, load_state_dict) -> None:
+        """The training state a healing peer receives and a heal replaces, in place: the model parts'
+        local shards, the optimizer, the LR schedule, the data position, and the loop's own state
+        (``state_dict()`` / ``load_state_dict(state)``: ``Trainer``'s step, tokens seen, step health)."""
+        self.state = dict(model_parts=model_parts, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                          dataloader=dataloader, state_dict=state_dict, load_state_dict=load_state_dict)
+
     # ------------------------------------------------------------------ the step
-    def start_step(self) -> None:
-        """The step's quorum; a group behind its peers heals here (its trainer state is replaced).
+    def start_step(self, step: int) -> None:
+        """Step ``step``'s quorum; a group behind its peers heals here (its training state is replaced).
 
         A group's first step waits, up to ``quorum_timeout_seconds``, until every group takes part: the
         lighthouse only waits for groups it has heard of, and one still starting would otherwise miss
@@ -136,9 +144,8 @@ class ReplicaGroup:
             self.manager.start_quorum()
         self.wait_all = False
         previous, self.participants = self.participants, self.manager.num_participants()
-        if previous and self.participants != previous and self.trainer.dist.rank == 0:
-            logger.warning("step %d: %d of %d replica groups take part", self.trainer.step + 1, self.participants,
-                           self.group_size)
+        if previous and self.participants != previous and self.rank == 0:
+            logger.warning("step %d: %d of %d replica groups take part", step, self.participants, self.group_size)
 
     def wait_for_every_group(self) -> None:
         """The next step's quorum waits, as the first one does, until every group takes part."""
@@ -178,21 +185,22 @@ class ReplicaGroup:
 
     # ------------------------------------------------------------------ healing
     def _live_state(self) -> dict:
-        t = self.trainer
-        return {"model": [_local(part.state_dict()) for part in t.model_parts],
-                "optimizer": _local(t.optimizer.state_dict()),
-                "lr_scheduler": t.lr_scheduler.state_dict(), "dataloader": t.dataloader.state_dict(),
-                "trainer": t.state_dict()}
+        t = self.state
+        return {"model": [_local(part.state_dict()) for part in t["model_parts"]],
+                "optimizer": _local(t["optimizer"].state_dict()),
+                "lr_scheduler": t["lr_scheduler"].state_dict(), "dataloader": t["dataloader"].state_dict(),
+                "trainer": t["state_dict"]()}
 
     def _load_live_state(self, state: dict) -> None:
-        t = self.trainer
-        for part, part_state in zip(t.model_parts, state["model"]):
+        t = self.state
+        for part, part_state in zip(t["model_parts"], state["model"]):
             _copy_model(part, part_state)
-        t.optimizer.load_state_dict(_optimizer_state(t.optimizer, state["optimizer"]))
-        t.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        t.dataloader.load_state_dict(state["dataloader"])
-        t.load_state_dict(state["trainer"])
-        logger.info("replica group %d healed from a live peer at step %d", self.replica_id, t.step)
+        t["optimizer"].load_state_dict(_optimizer_state(t["optimizer"], state["optimizer"]))
+        t["lr_scheduler"].load_state_dict(state["lr_scheduler"])
+        t["dataloader"].load_state_dict(state["dataloader"])
+        t["load_state_dict"](state["trainer"])
+        logger.info("replica group %d healed from a live peer at step %d", self.replica_id,
+                    int(state["trainer"]["step"]))
 
 
 def _group_store(rank: int, world_size: int) -> tuple[str, int]:

@@ -71,7 +71,7 @@ class Trainer(TrainerBuilding):
         self.dist = init_distributed(cfg.job.device, comm.backend, comm.init_timeout_seconds, comm.hang_timeout_seconds)
         self.device = self.dist.device
         # torchft (engine/train/fault_tolerance.py), first: its heartbeat makes the lighthouse wait for us.
-        self.ft = ReplicaGroup(cfg.fault_tolerance, self, rank=self.dist.rank, world_size=self.dist.world_size,
+        self.ft = ReplicaGroup(cfg.fault_tolerance, rank=self.dist.rank, world_size=self.dist.world_size,
                                device=self.device) if cfg.fault_tolerance.enable else None
         # The launcher's pre-flight rules once more, for ranks started some other way.
         self._build_layout(check_rank_setup(cfg, self.dist.world_size, self.device.type, self.dist.rank))
@@ -117,7 +117,7 @@ class Trainer(TrainerBuilding):
         timer = StepTimer(measure=measure, device=self.device, distributed=self.dist.is_distributed,
                           group_dims=self._group_dims)
         if self.ft is not None:
-            self.ft.start_step()  # the step's quorum; a group behind its peers heals here
+            self.ft.start_step(self.step + 1)  # the step's quorum; a group behind its peers heals here
         with timer.phase("data"):
             batches = [self.dataloader.next_batch() for _ in range(self.grad_accum_steps)]
             self.recorder.begin(self.step + 1, batches)  # [record] step only (engine/observe/record.py)
