@@ -5,27 +5,25 @@ torchft's commit order) and the checkpoint save point; everything else that happ
 is a :class:`Service`, built once with the objects and config sections it needs (never the trainer),
 and called at fixed points of the loop, in the order of the trainer's list:
 
-=====================  =====================================================================
-hook                   when
-=====================  =====================================================================
-``on_start(step, last)``  ``train()`` begins after ``step`` completed steps and trains up to ``last``
-``before_step(step)``  step ``step`` (1-based) begins, before its first collective
-``on_step(record)``    the step is committed and counted, *before* its checkpoint save: quick work
-                       that must not wait for the save (the watchdog's beat, stopping a trace)
-``after_save(record)`` the step's due checkpoint is complete (or none was due): reports. A failure
-                       here ends the run with one line naming the service's :attr:`Service.phase`
-                       (engine/train/after_step.py); the saved step is never lost
-``on_end(error)``      ``train()`` returns (``error`` None) or raises ``error``
-``close(wait)``        the trainer closes; ``wait`` False after a failure (do not wait on other ranks)
-=====================  =====================================================================
+- ``on_start(step, last)``: ``train()`` begins after ``step`` completed steps and trains up to ``last``;
+- ``before_step(step)``: step ``step`` (1-based) begins, before its first collective;
+- ``on_step(record)``: the step is committed and counted, *before* its checkpoint save: quick work that
+  must not wait for the save (the watchdog's beat, stopping a trace);
+- ``after_save(record)``: the step's due checkpoint is complete (or none was due): reports. A failure
+  here ends the run with one line naming the service's :attr:`Service.phase`
+  (engine/train/after_step.py); the saved step is never lost (:func:`save_then_report`);
+- ``on_end(error)``: ``train()`` returns (``error`` None) or raises ``error``;
+- ``close(wait)``: the trainer closes; ``wait`` False after a failure (do not wait on other ranks).
 
 The step's record (``Trainer.train_step``) holds ``step``, ``loss``, ``z_loss``, ``grad_norm``, ``lr``,
 ``tokens``, ``global_tokens``, ``data_seconds``, ``step_seconds``, ``epoch``, ``model_metrics``,
-``skipped`` and, where they apply, ``replicas``, ``pp_bubble_fraction`` and ``phases``.
+``skipped``, ``committed`` and, where they apply, ``replicas``, ``pp_bubble_fraction`` and ``phases``
+(which the metrics service takes out of it on a logged step).
 
-The shape is that of OLMo-core's trainer callbacks (``olmo_core/train/callbacks/callback.py``:
-``pre_train``, ``pre_step``, ``post_step``, ``post_checkpoint_saved``, ``post_train``, ``close``), without
-their back-reference to the trainer: a service cannot read what it was not given.
+The shape is that of OLMo-core's trainer callbacks (https://github.com/allenai/OLMo-core,
+``src/olmo_core/train/callbacks/callback.py``: ``pre_train``, ``pre_step``, ``post_step``,
+``post_checkpoint_saved``, ``post_train`` and ``on_error``, here one ``on_end``, ``close``), without their
+back-reference to the trainer: a service cannot read what it was not given.
 
 This module holds the base class and the small services (profiling, metrics, gc, stop signals,
 checkpoint saving); recovery (engine/train/recovery.py) and evaluation (engine/train/evaluation.py)
