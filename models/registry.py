@@ -3,7 +3,7 @@
 A family is one folder, ``models/<family>/``, holding everything about it: arguments and flavors,
 the module, the parallelize plan, start-up checks, the Hugging Face adapter and what the planner
 needs (parameter shapes, FLOPs per token, activation width, expert routing); its ``ModelSpec`` names
-each. engine/ knows families only through this module (tests/test_architecture.py checks it).
+each. engine/ knows families only through this module (tests/unit/test_architecture.py checks it).
 
 Registering a name twice raises, and an unknown name or flavor raises with the list of known ones,
 so a typo in `[model]` fails at start-up with the fix in the message. The registry, the flavors and

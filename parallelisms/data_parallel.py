@@ -45,7 +45,7 @@ def replicated_for_mixed_precision(parallel_dims, param_dtype: str, reduce_dtype
     torch.distributed.fsdp.MixedPrecisionPolicy docs). ``torch.autocast`` casts per operation
     instead and keeps the residual stream in float32, a different numerics that parity against
     FSDP layouts sees (on the tests' model fsdp2, tp2 and fsdp2xtp2 were 6e-3 off in grad norm at
-    step 2 where the bfloat16 noise floor allowed 5e-4; tests/test_parity_noise_bf16.py).
+    step 2 where the bfloat16 noise floor allowed 5e-4; tests/integration/test_parity_noise_bf16.py).
 
     True when a device mesh exists (every launch, also one process under torchrun), neither FSDP
     nor DDP applies, and either dtype is bfloat16. A process without a process group (a Trainer

@@ -49,7 +49,7 @@ class PipelinePlan:
 
 def resolve_schedule(name: str) -> tuple[str, bool]:
     """(canonical name, multi-stage?) for a schedule name of torch.distributed.pipelining,
-    case-insensitive (tests/test_pipeline.py checks the table against torch's classes).
+    case-insensitive (tests/integration/test_pipeline.py checks the table against torch's classes).
 
     Raises:
         PipelineConfigError: unknown name (lists the known ones).

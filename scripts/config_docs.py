@@ -5,7 +5,7 @@
     python scripts/config_docs.py --check    # exit 1, naming this command, when the page is out of date
 
 The rendering (engine/config/reference.py) is the schema's own docs, the same ``--help`` prints; prose
-outside the markers stays as written. tests/test_config_docs.py runs the same comparison.
+outside the markers stays as written. tests/unit/test_config_docs.py runs the same comparison.
 """
 
 from __future__ import annotations

@@ -5,14 +5,14 @@
 # KERNEL_CAP_ENV of engine/parity/noise.py). Each pass is the README's test command with the given
 # pytest arguments; the default ones are the tests that compare arithmetic that is not exact.
 #   ./scripts/cpu_kernels.sh                      # float8, bf16, Muon, compiled-vs-eager tests
-#   ./scripts/cpu_kernels.sh tests/test_float8.py # chosen tests
+#   ./scripts/cpu_kernels.sh tests/integration/test_float8.py # chosen tests
 # Exit status: 0 when both passes pass, else 1. Outside CI (it runs the chosen tests twice).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 tests=("$@")
 if [ ${#tests[@]} -eq 0 ]; then
-  tests=(tests/test_float8.py tests/test_float8_setup.py tests/test_trainer.py tests/test_fused_loss.py
-         tests/test_muon.py tests/test_muon_parallel.py tests/test_ac_compile.py tests/test_reference_loop.py)
+  tests=(tests/integration/test_float8.py tests/unit/test_float8_setup.py tests/integration/test_trainer.py tests/integration/test_fused_loss.py
+         tests/integration/test_muon.py tests/integration/test_muon_parallel.py tests/integration/test_ac_compile.py tests/integration/test_reference_loop.py)
 fi
 caps=$(PYTHONPATH=. python3 -c "from engine.parity.noise import KERNEL_CAP_ENV as e; print(' '.join(f'{k}={v}' for k, v in e.items()))")
 declare -A status

@@ -16,33 +16,80 @@ out=${MUTATION_OUT:-/tmp/quadra-mutation}
 mkdir -p "$out"
 "$QUADRA_PYTHON" -c "import mutmut" 2>/dev/null || "$QUADRA_PYTHON" -m pip install -q "mutmut>=3.3"
 mutmut=$(dirname "$QUADRA_PYTHON")/mutmut
-# module -> the fast tests that cover it (pytest arguments; "-m not slow" is added)
+# module -> the fast tests that cover it (pytest arguments): tests/unit files, and the one-process tests of a
+# tests/integration file by node id (its multi-process ones would run for every mutant)
 declare -A TESTS=(
-  [engine/parity/noise.py]="tests/test_noise_floor.py"
-  [engine/parity/compare.py]="tests/test_parity_compare.py tests/test_parity.py tests/test_noise_floor.py"
-  [engine/train/loss.py]="tests/test_fused_loss.py tests/test_deepseek_v3_mtp.py tests/test_loss_rules.py"
-  [models/common/linear_cross_entropy.py]="tests/test_fused_loss.py tests/test_fused_loss_rules.py"
-  [models/common/rope.py]="tests/test_rope_rules.py tests/test_model.py tests/test_long_context.py"
-  [models/deepseek_v3/yarn.py]="tests/test_rope_rules.py tests/test_deepseek_v3.py"
-  [models/common/moe.py]="tests/test_moe_routing_rules.py tests/test_moe.py"
-  [engine/config/param_groups.py]="tests/test_muon.py tests/test_optimizer.py tests/test_param_groups_rules.py"
-  [engine/train/muon.py]="tests/test_muon_rules.py tests/test_muon.py"
-  [engine/observe/goodput.py]="tests/test_goodput_rules.py tests/test_recovery_units.py
-    tests/test_published_hparams.py::test_goodput_ledger_over_three_attempts_equals_a_hand_count"
-  [engine/observe/hang.py]="tests/test_hang_rules.py tests/test_recovery_units.py"
-  [engine/launch/failures.py]="tests/test_failure_rules.py tests/test_recovery_units.py tests/test_launch.py"
-  [engine/launch/launcher.py]="tests/test_launcher_rules.py tests/test_launcher_launch_rules.py
-    tests/test_recovery_units.py tests/test_launch.py"
-  [engine/launch/environment.py]="tests/test_launcher_rules.py tests/test_launcher_launch_rules.py
-    tests/test_recovery_units.py tests/test_launch.py"
-  [engine/launch/replica_groups.py]="tests/test_replica_groups_rules.py tests/test_fault_tolerance.py"
-  [engine/train/downstream.py]="tests/test_downstream_rules.py tests/test_downstream.py"
+  [engine/parity/noise.py]="tests/unit/test_noise_floor.py"
+  [engine/parity/compare.py]="tests/unit/test_parity_compare.py tests/unit/test_noise_floor.py
+    tests/integration/test_parity.py::test_a_non_finite_logged_value_reads_as_nan_and_fails
+    tests/integration/test_parity.py::test_a_step_1_difference_of_5e_5_fails_both_comparators
+    tests/integration/test_parity.py::test_auto_layouts_fit_the_budget_and_cover_every_parallelism
+    tests/integration/test_parity.py::test_bad_input_is_one_line
+    tests/integration/test_parity.py::test_bad_layout_names_are_refused_in_one_line
+    tests/integration/test_parity.py::test_float64_mode_refuses_what_it_cannot_do
+    tests/integration/test_parity.py::test_history_differences_name_the_first_step_over_tolerance
+    tests/integration/test_parity.py::test_layout_names_give_the_degrees
+    tests/integration/test_parity.py::test_parameter_differences_and_clipping"
+  [engine/train/loss.py]="tests/unit/test_deepseek_v3_mtp.py tests/unit/test_loss_rules.py
+    tests/integration/test_fused_loss.py::test_bf16_matches_unfused_to_bf16_rounding
+    tests/integration/test_fused_loss.py::test_evaluation_computes_no_gradients
+    tests/integration/test_fused_loss.py::test_fused_equals_unfused_loss_and_gradients
+    tests/integration/test_fused_loss.py::test_refuses_a_chunk_size_below_one
+    tests/integration/test_fused_loss.py::test_split_backward_inputs_then_weights
+    tests/integration/test_fused_loss.py::test_tied_embeddings_get_both_gradients
+    tests/integration/test_fused_loss.py::test_vocab_parallel_equals_one_process
+    tests/integration/test_fused_loss.py::test_z_loss_fused_equals_unfused_in_value_and_gradients"
+  [models/common/linear_cross_entropy.py]="tests/unit/test_fused_loss_rules.py
+    tests/integration/test_fused_loss.py::test_bf16_matches_unfused_to_bf16_rounding
+    tests/integration/test_fused_loss.py::test_evaluation_computes_no_gradients
+    tests/integration/test_fused_loss.py::test_fused_equals_unfused_loss_and_gradients
+    tests/integration/test_fused_loss.py::test_refuses_a_chunk_size_below_one
+    tests/integration/test_fused_loss.py::test_split_backward_inputs_then_weights
+    tests/integration/test_fused_loss.py::test_tied_embeddings_get_both_gradients
+    tests/integration/test_fused_loss.py::test_vocab_parallel_equals_one_process
+    tests/integration/test_fused_loss.py::test_z_loss_fused_equals_unfused_in_value_and_gradients"
+  [models/common/rope.py]="tests/unit/test_rope_rules.py tests/unit/test_model.py
+    tests/integration/test_long_context.py::test_past_max_seq_len_is_planned_with_one_warning_and_recorded"
+  [models/deepseek_v3/yarn.py]="tests/unit/test_rope_rules.py tests/unit/test_deepseek_v3.py"
+  [models/common/moe.py]="tests/unit/test_moe_routing_rules.py tests/unit/test_moe.py"
+  [engine/config/param_groups.py]="tests/unit/test_optimizer.py tests/unit/test_param_groups_rules.py
+    tests/integration/test_muon.py::test_a_bad_or_unmatched_rule_is_refused_in_one_line
+    tests/integration/test_muon.py::test_bad_muon_and_z_loss_settings_are_refused_in_one_line
+    tests/integration/test_muon.py::test_lr_multiplier_is_seen_in_the_applied_update
+    tests/integration/test_muon.py::test_muon_step_is_torch_muon_plus_adamw_bitwise
+    tests/integration/test_muon.py::test_param_group_rules_take_counts_and_log_them_once
+    tests/integration/test_muon.py::test_planner_counts_muon_gathers_and_broadcasts_per_mesh_dim
+    tests/integration/test_muon.py::test_planner_optimizer_bytes_are_the_real_state
+    tests/integration/test_muon.py::test_the_docs_parameter_group_example_passes_the_preflight_as_written
+    tests/integration/test_muon.py::test_unmatched_rule_is_refused_by_the_preflight_and_the_config"
+  [engine/train/muon.py]="tests/unit/test_muon_rules.py
+    tests/integration/test_muon.py::test_a_bad_or_unmatched_rule_is_refused_in_one_line
+    tests/integration/test_muon.py::test_bad_muon_and_z_loss_settings_are_refused_in_one_line
+    tests/integration/test_muon.py::test_lr_multiplier_is_seen_in_the_applied_update
+    tests/integration/test_muon.py::test_muon_step_is_torch_muon_plus_adamw_bitwise
+    tests/integration/test_muon.py::test_param_group_rules_take_counts_and_log_them_once
+    tests/integration/test_muon.py::test_planner_counts_muon_gathers_and_broadcasts_per_mesh_dim
+    tests/integration/test_muon.py::test_planner_optimizer_bytes_are_the_real_state
+    tests/integration/test_muon.py::test_the_docs_parameter_group_example_passes_the_preflight_as_written
+    tests/integration/test_muon.py::test_unmatched_rule_is_refused_by_the_preflight_and_the_config"
+  [engine/observe/goodput.py]="tests/unit/test_goodput_rules.py tests/unit/test_recovery_units.py
+    tests/unit/test_published_hparams.py::test_goodput_ledger_over_three_attempts_equals_a_hand_count"
+  [engine/observe/hang.py]="tests/unit/test_hang_rules.py tests/unit/test_recovery_units.py"
+  [engine/launch/failures.py]="tests/unit/test_failure_rules.py tests/unit/test_recovery_units.py"
+  [engine/launch/launcher.py]="tests/unit/test_launcher_rules.py tests/unit/test_launcher_launch_rules.py
+    tests/unit/test_recovery_units.py"
+  [engine/launch/environment.py]="tests/unit/test_launcher_rules.py tests/unit/test_launcher_launch_rules.py
+    tests/unit/test_recovery_units.py"
+  [engine/launch/replica_groups.py]="tests/unit/test_replica_groups_rules.py"
+  [engine/train/downstream.py]="tests/unit/test_downstream_rules.py
+    tests/integration/test_downstream.py::test_evaluation_time_is_evaluation_in_the_ledger_not_step_time
+    tests/integration/test_downstream.py::test_windows_are_left_truncated_as_lm_eval_does"
   # (test_wandb.py's launches run ./run_train.sh, which in mutmut's copy of the tree sets up a .venv without
   # mutmut, where the mutated module cannot be imported: only its in-process tests)
-  [engine/observe/sinks.py]="tests/test_sinks_rules.py
-    tests/test_wandb.py::test_the_job_run_id_is_the_checkpoints_else_the_run_folders_else_a_fresh_one
-    tests/test_wandb.py::test_the_sink_rewinds_only_a_run_it_wrote_and_continues_where_the_server_refuses
-    tests/test_wandb.py::test_the_preflight_refuses_wandb_only_without_credentials"
+  [engine/observe/sinks.py]="tests/unit/test_sinks_rules.py
+    tests/integration/test_wandb.py::test_the_job_run_id_is_the_checkpoints_else_the_run_folders_else_a_fresh_one
+    tests/integration/test_wandb.py::test_the_sink_rewinds_only_a_run_it_wrote_and_continues_where_the_server_refuses
+    tests/integration/test_wandb.py::test_the_preflight_refuses_wandb_only_without_credentials"
 )
 modules=("$@")
 if [ ${#modules[@]} -eq 0 ]; then
@@ -63,7 +110,7 @@ import json, sys
 path, module, tests = sys.argv[1], sys.argv[2], sys.argv[3:]
 text = open(path).read()
 lines = "".join([f"only_mutate = {json.dumps([module])}\n",
-                 f"pytest_add_cli_args_test_selection = {json.dumps(tests + ['-m', 'not slow'])}\n"])
+                 f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"])
 if "[tool.mutmut]\n" not in text:
     sys.exit("mutation: pyproject.toml has no [tool.mutmut] table")
 open(path, "w").write(text.replace("[tool.mutmut]\n", "[tool.mutmut]\n" + lines, 1))  # inside the table

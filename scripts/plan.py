@@ -5,7 +5,7 @@
         --seq_len 8192 --global_batch_size 512 [--json plan.json]
 
 Every candidate passes the launcher's own pre-flight; the formulas are engine/planner/ (tested
-against the real plan and against CPU runs in tests/test_planner*.py). Bad input: one line, exit 2.
+against the real plan and against CPU runs in tests/unit/test_planner*.py). Bad input: one line, exit 2.
 """
 
 from __future__ import annotations

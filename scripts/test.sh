@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the test suite (the command CI calls), with the 20 slowest tests listed at the end. Extra
-# arguments go to pytest: -k fsdp, or -m "not slow" for the fast tier (no multi-process training);
+# arguments go to pytest: -k fsdp, or tests/unit for the fast tier (no multi-process training);
 # --durations alone lists the 20 slowest too, --durations=N the N slowest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +17,7 @@ done
 # Two pytest workers (pytest-xdist, in the dev extra), each taking whole test files: most tests run
 # one single-threaded process and would leave the second core idle, and a file's module fixtures (a
 # batch of layouts trained in one set of ranks) must run once, not once per worker. Files go out in
-# tests/conftest.py's order (the slow ones first), not xdist's default (most tests first). -n 0: one process.
+# tests/conftest.py's order (tests/integration first), not xdist's default (most tests first). -n 0: one process.
 workers=()
 if [ "$cores" -ge 2 ]; then
   if "$QUADRA_PYTHON" -c "import xdist" 2>/dev/null; then

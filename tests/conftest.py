@@ -192,13 +192,14 @@ def _alone_when_timed(request):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Run the files with slow tests (multi-process training) first, then the others, tests/test_gpu.py
-    last. GPU last: the other tests fork CPU workers, which must not start from a process that has
-    initialized CUDA (a forked child cannot use it, and may fail touching it). Slow files first: the
-    two workers of scripts/test.sh take whole files in this order, so the long ones start early and
-    the short ones fill the end instead of one worker finishing a long file while the other idles."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: (item.nodeid.startswith("tests/test_gpu.py"), item.path not in slow_files))
+    """Run tests/integration/ first (multi-process training, runs through ./run_train.sh), then
+    tests/unit/, tests/integration/test_gpu.py last. GPU last: the other tests fork CPU workers, which
+    must not start from a process that has initialized CUDA (a forked child cannot use it, and may fail
+    touching it). Integration first: the two workers of scripts/test.sh take whole files in this order,
+    so the long ones start early and the short ones fill the end instead of one worker finishing a
+    long file while the other idles."""
+    items.sort(key=lambda item: (item.nodeid.startswith("tests/integration/test_gpu.py"),
+                                 not item.nodeid.startswith("tests/integration/")))
 
 
 @pytest.fixture(scope="session")
@@ -207,7 +208,7 @@ def reference(tmp_path_factory):
     folder = tmp_path_factory.mktemp("single")
     (history,) = run_distributed(train_and_record, 1, base_args(str(folder)), torchrun_env=False)
     # Over 5 steps of 32-token batches the batch-to-batch spread of the loss exceeds the progress, so
-    # "it learns" is not checked here: tests/test_reference_loop.py checks this run step by step
+    # "it learns" is not checked here: tests/integration/test_reference_loop.py checks this run step by step
     # against a plain PyTorch loop instead.
     assert len(history) == 5 and all(math.isfinite(loss) for loss, _ in history), history
     # Every layout compared with this run must have steps on both sides of the clipping threshold:
@@ -223,7 +224,7 @@ def reference(tmp_path_factory):
 @pytest.fixture(scope="module")
 def private_datasets_cache(tmp_path_factory):
     """Keep the corpora a test module writes out of the user's ~/.cache (datasets caches them)."""
-    # Imported here: tests/test_gpu.py runs where `datasets` is not installed (the GPU machine).
+    # Imported here: tests/integration/test_gpu.py runs where `datasets` is not installed (the GPU machine).
     import datasets
 
     old = datasets.config.HF_DATASETS_CACHE

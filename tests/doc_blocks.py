@@ -1,5 +1,5 @@
 """The fenced code blocks of the project's markdown pages (README.md, docs/**/*.md, engine/docs/*.md), and
-the shell commands among their lines, for tests/test_doc_commands.py.
+the shell commands among their lines, for tests/integration/test_doc_commands.py.
 
 A line of a shell block is a command when it starts (after an optional ``$ `` prompt and ``NAME=value``
 environment assignments) with a path to run (``./run_train.sh``, ``scripts/stress.sh``) or a program name

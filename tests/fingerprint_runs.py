@@ -1,4 +1,4 @@
-"""Short runs of the tests' tiny model for tests/test_fingerprint_behaviour.py, and their comparison.
+"""Short runs of the tests' tiny model for tests/integration/test_fingerprint_behaviour.py, and their comparison.
 
 A :class:`Run` is a set of config overrides (on top of :data:`SETTING`), a world size, step faults to
 inject (engine/testing/faults.py) and a checkpoint to resume. :func:`train_runs` trains a list of

@@ -1,4 +1,4 @@
-"""Helpers of the prepared-data tests (tests/test_data_prepared*.py): small corpora, two prepared
+"""Helpers of the prepared-data tests (tests/integration/test_data_prepared*.py): small corpora, two prepared
 sets shared by a test module, loaders over them, and copies of a set to damage."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def reference_stream(tok, docs) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def sets(tmp_path_factory, tok):
-    """Two prepared sets: 'a' (the corpus of tests/test_data.py) and 'b' (other documents)."""
+    """Two prepared sets: 'a' (the corpus of tests/unit/test_data.py) and 'b' (other documents)."""
     root = tmp_path_factory.mktemp("prepared")
     out = {}
     for name, docs in (("a", make_docs(24)), ("b", make_docs(9, "Other text"))):

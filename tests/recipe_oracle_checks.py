@@ -1,4 +1,4 @@
-"""The paths and oracle checks of tests/test_recipe_oracles.py's table, one process on CPU.
+"""The paths and oracle checks of tests/unit/test_recipe_oracles.py's table, one process on CPU.
 
 A model path is a registered family (models/registry.py) at its smallest flavor, and the family with
 multi-token prediction where a flavor has prediction blocks (``ModelSpec.prediction_blocks``). A loss
@@ -9,10 +9,10 @@ loss of models/common/linear_cross_entropy.py). The models are built by the prod
 once per module (:class:`Builds`). The pipeline's stages run in this process in stage order: each
 gets the keyword inputs a schedule gives it and the last one's output goes through the run's stage
 loss function (engine/train/loss.py ``last_stage_loss``), so what differs from a 2-rank pipeline is
-only the transport of activations (tests/test_pipeline*.py hold that to one process).
+only the transport of activations (tests/integration/test_pipeline*.py hold that to one process).
 
 The MoE families' sequence-wise balance loss (``aux_loss_coeff``) is turned off in these builds: it is
-an objective of its own (tests/test_moe*.py), a statistic of the whole sequence that no oracle of
+an objective of its own (tests/unit/test_moe*.py), a statistic of the whole sequence that no oracle of
 the loss here writes, and it would make a document alone differ from its packed window.
 """
 
@@ -36,8 +36,8 @@ from engine.train.runner import SingleRunner, StepContext
 from models.common.document_mask import document_ids
 from models.registry import get_model_spec, list_model_names
 from parallelisms.pipeline_tied import sum_tied_gradients
-from tests.test_deepseek_v3_mtp import WEIGHT as MTP_WEIGHT, _reference as mtp_reference
-from tests.test_document_mask import BOS, packed_window
+from tests.unit.test_deepseek_v3_mtp import WEIGHT as MTP_WEIGHT, _reference as mtp_reference
+from tests.unit.test_document_mask import BOS, packed_window
 
 SEQ = 24
 RUNNER_PATHS = {"SingleRunner": "", "PipelineRunner": "pp_last_stage/"}  # runner class -> loss path prefix
@@ -187,7 +187,7 @@ def random_batch(vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def packed_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    """LongTensor [2, SEQ] windows of packed documents (tests/test_document_mask.py ``packed_window``):
+    """LongTensor [2, SEQ] windows of packed documents (tests/unit/test_document_mask.py ``packed_window``):
     the tail of an earlier document, then documents of 9, 5 and 7 tokens; documents of 12, 6 and 7."""
     gen = torch.Generator().manual_seed(1)
     stream = torch.stack([packed_window([9, 5, 7], True, gen, head=4), packed_window([12, 6, 7], False, gen)])
@@ -200,7 +200,7 @@ def oracle_objective(model, tokens, labels, *, mtp_weight: float = 0.0, z_weight
     or per document run alone as its own sequence (``documents``), F.cross_entropy of the model's
     logits; + ``z_weight`` x Σ logsumexp(logits)^2 over the label tokens (PaLM, Chowdhery et al. 2022,
     Sec. 5); + ``mtp_weight`` x the mean over depths of each depth's sum, by slicing (arXiv 2412.19437
-    eq. 25; tests/test_deepseek_v3_mtp.py ``_reference``)."""
+    eq. 25; tests/unit/test_deepseek_v3_mtp.py ``_reference``)."""
     total = z_total = torch.zeros((), dtype=torch.float64)
     for row in range(tokens.shape[0]):
         ids = document_ids(tokens[row:row + 1], BOS)[0] if documents else torch.zeros(tokens.shape[1])

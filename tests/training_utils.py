@@ -36,7 +36,7 @@ VALIDATION_FREQ = 2
 SEQ_LEN = 32
 # torch.compile as the compiled parity layouts run it: Dynamo and AOTAutograd trace the blocks (forward
 # and backward graphs, the ring's custom operator as an opaque node) as they would for inductor,
-# without inductor's C++ code generation (20-40 s per rank on a CPU; tests/test_ac_compile.py
+# without inductor's C++ code generation (20-40 s per rank on a CPU; tests/integration/test_ac_compile.py
 # lowers the dense model with inductor).
 COMPILED = {"compile.enable": "true", "compile.backend": "aot_eager"}
 

@@ -12,8 +12,8 @@ Every key of the job config is in one of three classes:
   validation, profiling. Quadra's parity tests hold these to float tolerance of one process.
 
 The run's fingerprint hashes the convergence keys and their values, so that two configs with the
-same fingerprint train the same model (up to numerics). tests/test_fingerprint.py fails when a key
-of the schema is not classified here: a new key forces the decision; tests/test_fingerprint_behaviour.py
+same fingerprint train the same model (up to numerics). tests/integration/test_fingerprint.py fails when a key
+of the schema is not classified here: a new key forces the decision; tests/integration/test_fingerprint_behaviour.py
 checks each key's class by what another value does to a short run (a new key needs a check there, or
 a stated reason why no CPU run can exercise it).
 
@@ -81,7 +81,7 @@ _CLASSES: dict[str, dict[str, tuple[str, ...]]] = {
         "float8": ("fsdp_all_gather",),
         "profiling": ("enable", "start_step", "num_steps", "traces_folder", "memory_snapshot"),
         "record": ("step", "folder"),  # observes one step, changes none
-        # The groups are the outer data-parallel dimension: a layout (tests/test_fault_tolerance.py).
+        # The groups are the outer data-parallel dimension: a layout (tests/integration/test_fault_tolerance.py).
         "fault_tolerance": ("enable", "group_size", "replica_id", "min_replica_size", "lighthouse",
                             "quorum_timeout_seconds"),
     },

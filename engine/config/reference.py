@@ -5,7 +5,7 @@ heading with its dataclass docstring, then one table row per key: the key, its t
 TOML and its doc, the same three things ``./run_train.sh --help`` prints (``format_help``), from the
 same source (the ``_opt(default, doc)`` fields of engine/config/schema*.py). The page keeps hand-written
 prose outside the markers :data:`BEGIN` and :data:`END`; :func:`render_page` replaces only what lies
-between them. ``python scripts/config_docs.py`` writes the page, and tests/test_config_docs.py fails
+between them. ``python scripts/config_docs.py`` writes the page, and tests/unit/test_config_docs.py fails
 when the committed page differs from a fresh rendering. Imports no torch.
 """
 
@@ -44,7 +44,8 @@ def reference_markdown() -> str:
     docstring and a ``key | type | default | doc`` table. Newline-terminated, without the markers."""
     lines = ["## Every key", "",
              f"Generated from engine/config/schema*.py by `{REGENERATE}`: the keys, types, defaults and docs",
-             "`./run_train.sh --help` prints. tests/test_config_docs.py fails when this part and the schema differ."]
+             "`./run_train.sh --help` prints. tests/unit/test_config_docs.py fails when this part and the schema",
+             "differ."]
     for section, cls in SECTIONS.items():
         lines += ["", f"### `[{section}]`", ""]
         doc = _markdown(cls.__doc__ or "").removeprefix(f"`[{section}]`: ")  # the heading names the section

@@ -35,7 +35,7 @@ temporaries without AC; where the block is recomputed (full AC, every N-th block
 policies, whose recomputation brings back what their cache does not hold) the recomputed tensors
 plus the feed-forward backward's gradients, T·(2f/t + h/t')·B (three f-wide gradients and the block
 output's, less the SwiGLU product checkpoint has already freed). The constants of these
-last two terms are the tensors the CPU runs of tests/test_planner_runs.py show alive at the peak
+last two terms are the tensors the CPU runs of tests/integration/test_planner_runs.py show alive at the peak
 (torch's MemTracker).
 
 Pipeline stages hold the activations of the microbatches in flight: M for GPipe (all forwards
@@ -186,7 +186,7 @@ def recomputed_backward_bytes(layout) -> int:
     SwiGLU product (f/t), which checkpoint frees once w2's backward has used it:
     T·(2f/t + h/t')·B. The attention's temporaries come later, when the feed-forward's tensors are
     gone. This is what torch's MemTracker shows alive at that peak in the CPU run of
-    tests/test_planner_runs.py (single_ac_full, single_s256_ac_full, single_s256_ac_op); without
+    tests/integration/test_planner_runs.py (single_ac_full, single_s256_ac_full, single_s256_ac_op); without
     recomputation the block's backward keeps :func:`backward_temporary_bytes`."""
     a = layout.model_args
     f = ffn_activations(layout).width
@@ -302,7 +302,7 @@ def embedding_backward_bytes(layout) -> int:
     microbatches' saved blocks: the embedding's weight gradient [V/t, h] (fp32 master weights, the
     compute dtype under FSDP) before it is added to the accumulated one, and six [T, h/t'] tensors
     in the compute dtype (the embedding output's gradient, the stage's output and input gradient
-    buffers of the pipeline; the constant is what the CPU runs of tests/test_planner_runs.py show
+    buffers of the pipeline; the constant is what the CPU runs of tests/integration/test_planner_runs.py show
     alive there, MemTracker)."""
     a = layout.model_args
     tsp = layout.tp if layout.sequence_parallel else 1

@@ -3,7 +3,7 @@
 Counted as parallelisms/comm_counter.py counts them (``payload``: the full buffer of each collective,
 both the send and the recv of point-to-point; ``wire``: the ring bytes through this rank's link,
 (n-1)/n·S for all-gather / reduce-scatter / all-to-all, 2(n-1)/n·S for all-reduce, S for send/recv,
-nccl-tests/doc/PERFORMANCE.md), so tests/test_planner_runs.py compares them with CPU runs directly.
+nccl-tests/doc/PERFORMANCE.md), so tests/integration/test_planner_runs.py compares them with CPU runs directly.
 
 Per mesh dim (A accumulation steps, M pipeline microbatches, X = b·(s/cp)·h·B the activation of one
 microbatch, B the compute dtype's bytes):
@@ -40,7 +40,7 @@ recomputing once the last tensor backward needs is back, before the block's last
 no reduce-scatter under the per-op policies (they keep its output); under ep all of them, under cp
 (the ring) all of them in a whole-block recomputation and none under the per-op policies (they
 keep the ring operator's output).
-Measured on the CPU runs of tests/test_planner_runs.py for tp; cp and ep under AC are not measured.
+Measured on the CPU runs of tests/integration/test_planner_runs.py for tp; cp and ep under AC are not measured.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ def gathered_bytes_per_element(layout, spec) -> int:
     ``training.mixed_precision_param``'s bytes. Without float8 all-gather the gathered weight is high
     precision and its float8 copies live inside one matmul each (torchao's ``Float8Linear`` saves the
     high-precision input and weight for backward), below the planner's resolution: measured on CPU,
-    the peak of a float8 fsdp2 run equals the same run's without float8 (tests/test_planner_runs.py)."""
+    the peak of a float8 fsdp2 run equals the same run's without float8 (tests/integration/test_planner_runs.py)."""
     return FLOAT8_BYTES if float8_all_gather(layout) and is_float8_param(layout, spec) else layout.param_bytes
 
 

@@ -17,7 +17,7 @@ G_W takes the place of the unfused loss's output-weight gradient; no [T, V] tens
 method (Hsu et al. 2024, arXiv 2410.10989 §3.2) computes G_h and G_W in the forward, so under a
 pipeline schedule that runs several forwards of the last stage before their backwards (GPipe) each
 microbatch in flight holds its own G_h and G_W. The constants are the tensors torch's MemTracker sees
-alive at the peak in the CPU runs of tests/test_planner_runs.py.
+alive at the peak in the CPU runs of tests/integration/test_planner_runs.py.
 """
 
 from __future__ import annotations

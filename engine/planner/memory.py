@@ -1,6 +1,6 @@
 """Per-rank memory of a layout: parameters, gradients, optimizer state, activations, in bytes.
 
-State (exact, tests/test_planner.py checks it equal to the real plan and tests/test_planner_runs.py to
+State (exact, tests/unit/test_planner.py checks it equal to the real plan and tests/integration/test_planner_runs.py to
 what CPU runs hold): the fp32 master parameters' local shards (engine/planner/params.py), gradients
 of the same shapes, AdamW's two moments of the same shapes plus one 4-byte ``step`` per tensor, or Muon's
 one momentum buffer (engine/planner/optimizer_state.py, by ``optimizer.name`` and ``param_groups``).
@@ -28,7 +28,7 @@ gathered with the output head's gradients, MoE experts' reduction inside their b
 from how torch's FSDP2 allocates, torch/distributed/fsdp/_fully_shard, the ZeRO-3 / PyTorch FSDP
 scheme of Rajbhandari et al. 2020, arXiv 1910.02054, and Zhao et al. 2023, arXiv 2304.11277). With
 many tokens per microbatch the loss wins; with one sequence per microbatch the reduction does (its
-buffers scale with the parameters). tests/test_planner_runs.py checks the
+buffers scale with the parameters). tests/integration/test_planner_runs.py checks the
 max of both against the step's measured non-state peak of CPU runs, and the reduction phase alone
 against the peak measured inside FSDP's ``post_backward``.
 """

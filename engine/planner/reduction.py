@@ -48,7 +48,7 @@ and beside it (``base``):
   is a new buffer added to it): every reduced unit's all-reduce buffer R/k·rb, which
   ``FSDPParamGroup`` holds (``_all_reduce_state``) until ``finalize_backward`` ends backward.
 
-The phase's bytes are the largest t1..t4 + base over the units. tests/test_planner_runs.py checks them
+The phase's bytes are the largest t1..t4 + base over the units. tests/integration/test_planner_runs.py checks them
 against the peak measured inside FSDP's ``post_backward`` on CPU runs, and the max of both phases
 against the step's peak.
 """

@@ -6,7 +6,7 @@ started by plain ``torchrun`` or by a test fails the same way). Each rule lives 
 owns it (``ParallelDims``, the model's ``validate_parallelism_fn``, context and pipeline planning,
 the data loader's batch arithmetic, the tokenizer); this module only calls them in order, cheapest
 first. Nothing here or in those rules imports torch, whichever feature the config turns on
-(tests/test_preflight_imports.py reads every import the pre-flight can run), so one bad
+(tests/unit/test_preflight_imports.py reads every import the pre-flight can run), so one bad
 setting gives one line in a fraction of a second.
 """
 

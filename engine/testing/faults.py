@@ -1,5 +1,5 @@
 """Faults injected into a Trainer's steps without touching the engine's code (the step-health tests,
-tests/test_step_health.py, and scripts/benchmarks/step_health_cost.py): make step k's gradient
+tests/unit/test_step_health.py, and scripts/benchmarks/step_health_cost.py): make step k's gradient
 non-finite or its loss / gradient norm spike.
 
 The hook wraps ``trainer.runner.step`` (forward and backward of the step's microbatches, before the

@@ -11,7 +11,7 @@ gradients, which makes the groups together the replicate dimension of HSDP (Zhao
 2. The label tokens of the step and, after backward, the gradients are summed over the participating
    groups (``Manager.allreduce``, ReduceOp.SUM), so the loss is the token-sum over every group's
    batch divided by their total tokens: with every group live, the same update as HSDP over one
-   torchrun (tests/test_fault_tolerance.py); with a group gone, the batch of the groups left.
+   torchrun (tests/integration/test_fault_tolerance.py); with a group gone, the batch of the groups left.
 3. ``should_commit``: the optimizer steps only when every rank of the group agrees that no collective
    failed and at least ``min_replica_size`` groups took part; otherwise the step is discarded.
 

@@ -6,7 +6,7 @@ version (Newton–Schulz iteration). The arithmetic follows ``torch.optim.Muon``
 step: ``buf.lerp_(g, 1 - mu)``; the update is ``g.lerp(buf, mu)`` (Nesterov) or ``buf``; it is cast to
 the Newton–Schulz dtype, transposed when tall, divided by its Frobenius norm (clamped at ``eps``),
 iterated ``ns_steps`` times with coefficients ``(a, b, c)``; decoupled weight decay
-``p *= 1 - lr * wd``, then ``p -= adjusted_lr * O``. tests/test_muon.py holds it bitwise to a plain
+``p *= 1 - lr * wd``, then ``p -= adjusted_lr * O``. tests/integration/test_muon.py holds it bitwise to a plain
 loop of ``torch.optim.Muon`` + ``torch.optim.AdamW``.
 
 Parallel layouts (the point of this module): Newton–Schulz needs each weight's *whole* matrix.
@@ -141,11 +141,11 @@ def _orthogonalise_sharded(update: Tensor, param: Tensor, dims: tuple[int, ...],
     stays sharded), NS on the ``owner`` (its coordinates on ``dims``), broadcast along ``dims``, slice."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    # Mutation testing: tests/test_muon_rules.py runs this on a one-rank mesh, where every placement and group is
-    # the identity; the placements, the non-owner's buffer and the broadcast groups are checked by the 4-process
-    # tests/test_muon_parallel.py (slow, outside the fast selection). Alike: redistribute(None, ...) (a DTensor's
-    # own mesh is the default); the non-owner's buffer in float32 (the wire is float32 for bf16 and float32 NS);
-    # its device (CPU here; it matters on a GPU).
+    # Mutation testing: tests/unit/test_muon_rules.py runs this on a one-rank mesh, where every placement and group is
+    # the identity; the placements, the non-owner's buffer and the broadcast groups are checked by the
+    # 4-process tests/integration/test_muon_parallel.py (outside the fast selection). Alike:
+    # redistribute(None, ...) (a DTensor's own mesh is the default); the non-owner's buffer in float32 (the
+    # wire is float32 for bf16 and float32 NS); its device (CPU here; it matters on a GPU).
     mesh, placements = _placements(param)
     whole_placements = [Replicate() if d in dims else pl for d, pl in enumerate(placements)]
     sharded = DTensor.from_local(update, mesh, placements, shape=param.shape, stride=param.stride())

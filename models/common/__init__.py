@@ -3,6 +3,6 @@ YaRN), the SwiGLU feed-forward, the mixture-of-experts layers and router, their 
 plans, the planner's shapes and FLOPs, the Hugging Face conversion rules, init, document masking and
 the fused loss. A family (``models/<family>/``) holds its flavors, its Hugging Face adapter and only
 the modules that are its own, and imports nothing but this package and ``models.registry``
-(tests/test_architecture.py). Importing this package imports no torch: the modules that need it are
+(tests/unit/test_architecture.py). Importing this package imports no torch: the modules that need it are
 imported by name when a model is built (``models.registry.load_ref``).
 """

@@ -153,7 +153,7 @@ def _grouped_mm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
     CPU kernels (torch >= 2.9) need rows of 16 bytes; CUDA kernels need bfloat16 on SM >= 8.0, and
     so does the op's meta function that torch.compile traces with, whatever the device. Anything
     else uses the per-expert loop, which gives the same result. (Mutation testing: the CUDA lines are only
-    reached on a GPU, tests/test_gpu.py.)
+    reached on a GPU, tests/integration/test_gpu.py.)
     """
     if not hasattr(torch, "_grouped_mm") or x.device.type not in _GROUPED_MM_ALIGN:
         return False
@@ -216,7 +216,8 @@ class GroupedExperts(nn.Module):
         Returns [N, dim] in the compute dtype. An expert with no rows gets a zero gradient, never
         None, so gradient reduction sees the same parameters on every rank.
         """
-        # (DTensors under expert parallel only: the multi-process tests/test_expert_parallel.py, not the fast ones)
+        # (DTensors under expert parallel only: the multi-process tests/integration/test_expert_parallel.py, not
+        # the fast ones)
         w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
         if torch.is_autocast_enabled(x.device.type):  # autocast does not cover the grouped kernel
             dtype = torch.get_autocast_dtype(x.device.type)

@@ -1,7 +1,7 @@
 """Named DeepSeek-V3 sizes (``model.flavor`` with ``model.name = "deepseek_v3"``).
 
 Parameter counts are those of transformers' ``DeepseekV3ForCausalLM`` built from the same config
-(no multi-token-prediction module), pinned by tests/test_deepseek_v3.py::test_flavor_parameter_counts.
+(no multi-token-prediction module), pinned by tests/unit/test_deepseek_v3.py::test_flavor_parameter_counts.
 """
 
 from __future__ import annotations

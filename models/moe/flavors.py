@@ -1,7 +1,7 @@
 """Named MoE sizes (``model.flavor`` with ``model.name = "moe"``).
 
 Parameter counts (total / active per token, untied embeddings, at the flavor's vocab_size) are
-pinned by tests/test_moe.py::test_flavor_parameter_counts.
+pinned by tests/unit/test_moe.py::test_flavor_parameter_counts.
 """
 
 from __future__ import annotations

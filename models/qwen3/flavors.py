@@ -3,7 +3,7 @@
 The published sizes copy the ``config.json`` of the Qwen/Qwen3-* releases on the Hugging Face Hub
 (all: vocabulary 151936, head_dim 128, RoPE theta 1e6, RMSNorm eps 1e-6, 40960 positions). Their
 parameter counts equal transformers' ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` of the same config
-(tests/test_qwen3.py::test_flavor_parameter_counts_equal_transformers). Tying: the published 0.6B,
+(tests/unit/test_qwen3.py::test_flavor_parameter_counts_equal_transformers). Tying: the published 0.6B,
 1.7B and 4B tie their embeddings; as for every model, a run ties them when ``model.tie_embeddings =
 true`` (the flavor's value is what a Hugging Face import records and what the counts assume).
 

@@ -1,4 +1,4 @@
-"""Test-only defects that live in one layout, for tests/test_parity*.py (never imported by the engine).
+"""Test-only defects that live in one layout, for tests/integration/test_parity*.py (never imported by the engine).
 
 A test puts this folder first on ``PYTHONPATH`` of ``./scripts/parity.py``; every Python process the
 sweep starts then imports this module at start-up (``site`` imports ``sitecustomize``, see the
@@ -153,7 +153,7 @@ def _install() -> None:
 def local_float8_amax():
     """The ``float8_local_amax`` defect, installed in this process: torchao's amax all-reduce switched
     off and no precomputed scales, so each FSDP rank scales its float8 weight shard by its own shard's
-    amax instead of the whole weight's (also tests/test_float8.py's local-shard run). Returns a function
+    amax instead of the whole weight's (also tests/integration/test_float8.py's local-shard run). Returns a function
     that puts torchao's and the runner's own back."""
     import torchao.float8.float8_utils as utils
 
