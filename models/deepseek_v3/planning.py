@@ -72,11 +72,14 @@ def _mtp(args) -> list[ParamSpec]:
 
 def deepseek_v3_flops_per_token(args, seq_len: int) -> float:
     """``ModelSpec.flops_per_token``: :func:`models.common.shapes.training_flops_per_token` with MLA's
-    own query/key and value widths, active experts only, the MTP depths' blocks counted as blocks."""
-    return training_flops_per_token(deepseek_v3_param_shapes(args), seq_len,
-                                    blocks=args.n_layers + args.num_nextn_predict_layers, heads=args.n_heads,
-                                    qk_head_dim=args.qk_head_dim, v_head_dim=args.v_head_dim,
-                                    tie_embeddings=args.tie_embeddings, expert_share=args.top_k / args.num_experts)
+    own query/key and value widths, active experts only, the MTP depths' blocks counted as blocks,
+    plus the shared output head run once more by each MTP depth (6 · vocab · dim per depth: the
+    parameter is counted once in N, its matmul D + 1 times; arXiv 2412.19437 §2.2 shares the head)."""
+    heads_again = 6 * args.num_nextn_predict_layers * args.vocab_size * args.dim
+    return heads_again + training_flops_per_token(
+        deepseek_v3_param_shapes(args), seq_len, blocks=args.n_layers + args.num_nextn_predict_layers,
+        heads=args.n_heads, qk_head_dim=args.qk_head_dim, v_head_dim=args.v_head_dim,
+        tie_embeddings=args.tie_embeddings, expert_share=args.top_k / args.num_experts)
 
 
 def deepseek_v3_attention_activations(args) -> AttentionActivations:
