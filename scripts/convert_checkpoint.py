@@ -7,8 +7,8 @@
     python scripts/convert_checkpoint.py from-torch model.pt weights_dcp
     ./run_train.sh --checkpoint.initial_load_path weights_dcp
 
-    # Hugging Face folder (config.json + *.safetensors; Llama-2/3/3.1/3.2, Mixtral, Qwen3, Qwen3-MoE)
-    # -> DCP + model arguments
+    # Hugging Face folder (config.json + *.safetensors; Llama-2/3/3.1/3.2, Mixtral, Qwen3, Qwen3-MoE,
+    # DeepSeek-V3, its FP8 weights dequantized) -> DCP + model arguments
     python scripts/convert_checkpoint.py from-hf path/to/Llama-3.2-1B outputs/llama32/seed
     ./run_train.sh --checkpoint.initial_load_path outputs/llama32/seed --model.args_path outputs/llama32/seed \
         --model.tokenizer_path outputs/llama32/seed/tokenizer.json
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from_torch.add_argument("checkpoint_dir", help="the folder to create (must not exist)")
     from_hf = sub.add_parser("from-hf", help="Hugging Face model folder -> model-only DCP checkpoint folder")
     from_hf.add_argument("hf_dir", help="a folder with config.json and model*.safetensors (Llama family, "
-                                        "Mixtral, Qwen3, Qwen3-MoE)")
+                                        "Mixtral, Qwen3, Qwen3-MoE, DeepSeek-V3 in bf16 or FP8)")
     from_hf.add_argument("checkpoint_dir", help="the folder to create (must not exist)")
     to_hf = sub.add_parser("to-hf", help="DCP checkpoint folder -> Hugging Face model folder (safetensors)")
     to_hf.add_argument("checkpoint_dir", help="a checkpoint folder, e.g. outputs/run/checkpoint/step-100")
@@ -90,6 +90,9 @@ def _hugging_face(args: argparse.Namespace) -> int:
         folder = args.checkpoint_dir
         print(f"wrote model-only checkpoint {folder}: {out['name']} model, {out['parameters']:,} parameters in "
               f"{out['tensors']} float32 tensors; model arguments in {folder}/quadra.json")
+        if out["dequantized"]:
+            print(f"dequantized {out['dequantized']} FP8 weights (128x128 block scales) to float32; to-hf writes "
+                  "this model unquantized")
         run = os.path.join(os.path.dirname(os.path.abspath(folder)), "run")
         command = (f"./run_train.sh --checkpoint.initial_load_path {folder} --model.args_path {folder} "
                    f"--job.dump_folder {run}")
@@ -107,6 +110,9 @@ def _hugging_face(args: argparse.Namespace) -> int:
         print(f"wrote {args.hf_dir}: {out['name']} model, {out['tensors']} tensors ({out['bytes']:,} bytes) in "
               f"{out['shards']} safetensors file(s), config.json, generation_config.json"
               + (f", tokenizer from {out['tokenizer']}" if out["tokenizer"] else " (no tokenizer.json to copy)"))
+        if out["unquantized_from"]:
+            print(f"the imported folder was {out['unquantized_from'].get('quant_method')} quantized; written "
+                  f"unquantized ({args.dtype or 'float32'}, no quantization_config in config.json)")
     return 0
 
 

@@ -3,10 +3,13 @@
 - :func:`import_hf_model`: a folder of a model type some family's adapter reads (Llama, Mixtral) -> a
   model-only DCP checkpoint (float32, like the master weights a run saves) that any layout starts from with
   ``checkpoint.initial_load_path``; its quadra.json holds the model arguments built from
-  config.json (``model.args_path`` reads them), and the tokenizer files are copied beside it.
+  config.json (``model.args_path`` reads them), and the tokenizer files are copied beside it. FP8
+  weights with 128x128 block scales (DeepSeek-V3's published format) are dequantized on the way
+  (engine/convert/hf_fp8.py).
 - :func:`export_hf_model`: a DCP checkpoint (converted, or saved by a run under any layout) ->
   ``model.safetensors`` (sharded with ``model.safetensors.index.json`` above ``max_shard_bytes``),
-  ``config.json`` and ``generation_config.json`` for ``transformers.AutoModelForCausalLM``.
+  ``config.json`` and ``generation_config.json`` for ``transformers.AutoModelForCausalLM``; always
+  unquantized (no ``quantization_config``), whatever format the model was imported from.
 
 Names and layouts map through the family's adapter (models/<family>/hf.py, found by
 engine/convert/hf_adapter.py).
@@ -30,6 +33,7 @@ from engine.checkpoint import files
 from engine.checkpoint.files import CheckpointError
 from engine.convert.hf_adapter import (args_for_weights, args_from_hf_config, generation_config, hf_config_from_args,
                                        weight_rules)
+from engine.convert.hf_fp8 import DequantizedFolder, block_size_of
 from engine.checkpoint.state import MODEL_KEY, quiet_single_process, saved_model_keys
 from engine.convert.tools import DTYPES, check_intact, write_model_only
 
@@ -82,6 +86,14 @@ class _SafetensorsFolder:
         with self._open(self.file_of[key], framework="pt") as f:
             return f.get_tensor(key)
 
+    def dtypes(self) -> dict[str, str]:
+        """{name: safetensors dtype string ("BF16", "F8_E4M3", ...)}, each file's header read once."""
+        out = {}
+        for path in sorted(set(self.file_of.values())):
+            with self._open(path, framework="pt") as f:
+                out.update({key: f.get_slice(key).get_dtype() for key in f.keys() if self.file_of.get(key) == path})
+        return out
+
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
@@ -94,12 +106,14 @@ def import_hf_model(hf_dir: str, checkpoint_dir: str) -> dict:
         checkpoint_dir: the folder to create (must not exist); written via ``<folder>.tmp``.
 
     Returns:
-        {"name", "args", "tensors", "parameters", "tokenizer"}: the model name and arguments, the
-        number of tensors and parameters written, and the copied tokenizer file (or None).
+        {"name", "args", "tensors", "parameters", "tokenizer", "dequantized"}: the model name and arguments,
+        the number of tensors and parameters written, the copied tokenizer file (or None), and the number of
+        FP8 weights read through their block scales (engine/convert/hf_fp8.py; 0 for an unquantized folder).
 
     Raises:
         CheckpointError: no config.json, an unsupported model (see the family's models/<family>/hf.py), a missing or
-            unexpected weight, or a weight whose shape does not match config.json.
+            unexpected weight, a weight whose shape does not match config.json, or a quantization other than
+            DeepSeek-V3's FP8 (engine/convert/hf_fp8.py).
     """
     from models.resolve import model_record, read_json
 
@@ -107,7 +121,7 @@ def import_hf_model(hf_dir: str, checkpoint_dir: str) -> dict:
     config = read_json(config_path, "from-hf needs a Hugging Face model folder with config.json and *.safetensors",
                        error_cls=CheckpointError)
     name, args = args_from_hf_config(config, config_path)
-    source = _SafetensorsFolder(hf_dir)
+    source = DequantizedFolder(_SafetensorsFolder(hf_dir), block_size_of(config, config_path), config_path)
     args = args_for_weights(name, args, set(source.file_of))
     rules = {rule.quadra: rule for rule in weight_rules(name, args)}
     expected = _expected_shapes(name, args)
@@ -145,7 +159,8 @@ def import_hf_model(hf_dir: str, checkpoint_dir: str) -> dict:
     tokenizer = next((n for n in ("tokenizer.json", "tokenizer.model") if n in tokenizer_files), None)
     unique = {fqn: shape for fqn, shape in expected.items() if not (args.tie_embeddings and fqn == "output.weight")}
     return {"name": name, "args": args, "tensors": len(expected), "tokenizer": tokenizer,
-            "parameters": sum(torch.Size(shape).numel() for shape in unique.values())}
+            "parameters": sum(torch.Size(shape).numel() for shape in unique.values()),
+            "dequantized": len(source.quantized)}
 
 
 def _checkpoint_model(checkpoint_dir: str, marker: dict):
@@ -186,6 +201,18 @@ def _tokenizer_for(checkpoint_dir: str, marker: dict) -> str | None:
     return None
 
 
+def _special_ids(tokenizer_path: str | None, marker: dict) -> tuple[int | None, int | None]:
+    """(BOS, EOS) ids for config.json: the tokenizer's (None where it has none), else those of the
+    imported folder's config.json, else (None, None)."""
+    from engine.data.tokenizer import Tokenizer
+
+    if tokenizer_path is not None:
+        tokenizer = Tokenizer(tokenizer_path)
+        return tuple(i if i >= 0 else None for i in (tokenizer.bos_id, tokenizer.eos_id))
+    hf_config = marker.get("hf_config") or {}
+    return hf_config.get("bos_token_id"), hf_config.get("eos_token_id")
+
+
 def parse_size(text: str) -> int:
     """Bytes of a size such as "5GB", "500MB", "2GiB" or "1000000".
 
@@ -213,15 +240,15 @@ def export_hf_model(checkpoint_dir: str, out_dir: str, dtype: str | None = None,
             ``model-0000i-of-0000n.safetensors`` files listed in ``model.safetensors.index.json``.
 
     Returns:
-        {"name", "tensors", "shards", "bytes", "tokenizer"}.
+        {"name", "tensors", "shards", "bytes", "tokenizer", "unquantized_from"}: the last is the
+        ``quantization_config`` of the folder from-hf imported the checkpoint from (written unquantized),
+        or None.
 
     Raises:
         CheckpointError: not a DCP checkpoint, damaged (tools.check_intact), an unknown model, a model
             Hugging Face cannot express, a missing weight, or an existing ``out_dir``.
     """
     from safetensors.torch import save_file
-
-    from engine.data.tokenizer import Tokenizer
 
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
@@ -233,12 +260,7 @@ def export_hf_model(checkpoint_dir: str, out_dir: str, dtype: str | None = None,
     marker = files.read_marker(checkpoint_dir) or {}
     name, args = _checkpoint_model(checkpoint_dir, marker)
     tokenizer_path = _tokenizer_for(checkpoint_dir, marker)
-    bos = eos = None
-    if tokenizer_path is not None:
-        tokenizer = Tokenizer(tokenizer_path)
-        bos, eos = (i if i >= 0 else None for i in (tokenizer.bos_id, tokenizer.eos_id))
-    elif "hf_config" in marker:
-        bos, eos = marker["hf_config"].get("bos_token_id"), marker["hf_config"].get("eos_token_id")
+    bos, eos = _special_ids(tokenizer_path, marker)
     metadata = dcp.FileSystemReader(checkpoint_dir).read_metadata()
     saved = set(saved_model_keys(metadata))
     entries = metadata.state_dict_metadata
@@ -279,7 +301,8 @@ def export_hf_model(checkpoint_dir: str, out_dir: str, dtype: str | None = None,
     _write_json(os.path.join(tmp, "generation_config.json"), generation_config(config))
     copied = _copy_hf_tokenizer(tokenizer_path, tmp)
     os.replace(tmp, out_dir)
-    return {"name": name, "tensors": len(outputs), "shards": len(shards), "bytes": total, "tokenizer": copied}
+    return {"name": name, "tensors": len(outputs), "shards": len(shards), "bytes": total, "tokenizer": copied,
+            "unquantized_from": (marker.get("hf_config") or {}).get("quantization_config")}
 
 
 def _shard_plan(rules, entries, args, out_type, max_shard_bytes: int) -> tuple[list, list[list]]:
