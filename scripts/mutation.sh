@@ -6,6 +6,11 @@
 # each are listed in OUT/<module>.survived (`mutmut show NAME` in OUT/<module>/ prints the change).
 #   ./scripts/mutation.sh                              # every module of the table below
 #   ./scripts/mutation.sh engine/parity/noise.py       # chosen modules (must be in the table)
+#   MUTATION_INTEGRATION=1 ./scripts/mutation.sh models/common/moe.py   # then each survivor against INTEGRATION's tests
+# A survivor of code that runs only in forked ranks (expert parallel's dispatch, tensor-parallel loss, Muon's gathers)
+# is out of reach of the in-process tests mutmut maps; with MUTATION_INTEGRATION=1 each survivor of a module that has an
+# INTEGRATION row is applied to the scratch tree (mutmut apply) and that row's multi-process tests run against it:
+# killed ones are counted, the rest listed in OUT/<module>.integration-survived. Minutes per survivor.
 # OUT: $MUTATION_OUT or /tmp/quadra-mutation. Needs mutmut (installed into the project's Python when
 # missing, as a mutation tool made for this; not a runtime or CI dependency).
 set -euo pipefail
@@ -91,6 +96,13 @@ declare -A TESTS=(
     tests/integration/test_wandb.py::test_the_sink_rewinds_only_a_run_it_wrote_and_continues_where_the_server_refuses
     tests/integration/test_wandb.py::test_the_preflight_refuses_wandb_only_without_credentials"
 )
+# module -> the multi-process tests its survivors are run against with MUTATION_INTEGRATION=1 (no ./run_train.sh
+# launches: in the scratch tree they would set up a .venv of their own)
+declare -A INTEGRATION=(
+  [models/common/moe.py]="tests/integration/test_expert_parallel.py"
+  [models/common/linear_cross_entropy.py]="tests/integration/test_tensor_parallel.py"
+  [engine/train/muon.py]="tests/integration/test_muon_parallel.py"
+)
 modules=("$@")
 if [ ${#modules[@]} -eq 0 ]; then
   mapfile -t modules < <(printf '%s\n' "${!TESTS[@]}" | sort)
@@ -122,6 +134,28 @@ PY
   (cd "$work" && "$mutmut" export-cicd-stats >/dev/null 2>&1 && "$mutmut" results >"$out/$name.survived" 2>&1) || true
   stats=$("$QUADRA_PYTHON" -c "import json,sys; s=json.load(open(sys.argv[1])); print(s['killed'], s['survived'], s['total'], s['no_tests'] + s['timeout'] + s['suspicious'] + s['segfault'])" \
           "$work/mutants/mutmut-cicd-stats.json" 2>/dev/null || echo "? ? ? ?")
+  if [ "${MUTATION_INTEGRATION:-0}" = 1 ] && [ -n "${INTEGRATION[$module]:-}" ]; then
+    # each survivor applied to the scratch tree's copy of the module, then the multi-process tests; the copy restored
+    mapfile -t survivors < <(awk -F': ' '$2 == "survived" {gsub(/ /, "", $1); print $1}' "$out/$name.survived")
+    cp "$work/$module" "$work/$module.unmutated"
+    left=()
+    # the control: on the unmutated tree the tests must pass, or every survivor would count as killed
+    if ! (cd "$work" && OMP_NUM_THREADS=1 "$QUADRA_PYTHON" -m pytest -x -q -p no:cacheprovider ${INTEGRATION[$module]} \
+          >"$work/integration-control.log" 2>&1); then
+      echo "mutation: ${INTEGRATION[$module]} fails on the unmutated tree ($work/integration-control.log)" >&2; exit 1
+    fi
+    for mutant in "${survivors[@]}"; do
+      (cd "$work" && "$mutmut" apply "$mutant" >/dev/null 2>&1)
+      if (cd "$work" && OMP_NUM_THREADS=1 "$QUADRA_PYTHON" -m pytest -x -q -p no:cacheprovider ${INTEGRATION[$module]} \
+          >"$work/integration.log" 2>&1); then
+        left+=("$mutant")
+      fi
+      cp "$work/$module.unmutated" "$work/$module"
+    done
+    printf '%s\n' ${left[@]+"${left[@]}"} >"$out/$name.integration-survived"
+    echo "=== $module: ${#survivors[@]} survivors against ${INTEGRATION[$module]}:" \
+         "$(( ${#survivors[@]} - ${#left[@]} )) killed, ${#left[@]} left ($out/$name.integration-survived)"
+  fi
   rows+=("$module $stats $(( $(date +%s) - start ))")
 done
 printf '\n%-34s %7s %9s %6s %6s %6s\n' module killed survived total other seconds
