@@ -16,7 +16,15 @@ Expert parallel (``ep``) is carved out of dp_shard × cp: dp_shard is unflattene
 - ``dp_shard_mod_ep`` = dp_shard · cp / ep       — ranks that shard each expert's weights (FSDP)
 - ``ep_hsdp``         = dp_replicate × dp_shard_mod_ep — the same with replicas (HSDP of experts)
 
-Tensor-parallel ranks replicate the MoE layers for now, so ep does not reach into tp.
+With tp > 1, ep may also span tp (TorchTitan 0.3's layout): when ep is a multiple of cp × tp that
+divides dp_shard × cp × tp, dp_shard is unflattened with dp_shard_in_ep = ep / (cp · tp) and
+
+- ``ep``              = dp_shard_in_ep × cp × tp — each tp rank then routes and dispatches its own
+  sequence shard (models/common/moe_parallelize.py), so no tp rank repeats another's all-to-all;
+- ``cp_tp``           = cp × tp                  — the ranks one sequence is spread over (balance loss).
+
+Otherwise (ep dividing dp_shard × cp, a multiple of cp) the tp ranks replicate the routed experts.
+The layout spanning tp is preferred whenever both fit (:attr:`ParallelDims.ep_over_tp`).
 """
 
 from __future__ import annotations
@@ -29,6 +37,13 @@ if TYPE_CHECKING:  # torch is imported by build_mesh only: validation runs in th
     from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+def ep_spans_tp(dp_shard: int, cp: int, tp: int, ep: int) -> bool:
+    """Whether the routed experts are split over the tp ranks too (the module docstring): tp > 1 and ep
+    a multiple of cp × tp dividing dp_shard × cp × tp. Torch-free (the planner reads it)."""
+    return tp > 1 and ep > 1 and ep % (cp * tp) == 0 and (dp_shard * cp * tp) % ep == 0
+
 
 class ParallelismError(ValueError):
     """A ``[parallelism]`` setting that cannot work with this world size or this build."""
@@ -47,8 +62,9 @@ class ParallelDims:
 
     Raises:
         ParallelismError: a degree < 1 (other than dp_shard = -1), a product that is not the world
-            size, or an ``ep`` that does not divide dp_shard × cp (or is not a multiple of cp). Every
-            message names the setting, its value and the fix.
+            size, or an ``ep`` that fits neither layout of the module docstring (a multiple of cp
+            dividing dp_shard × cp; with tp > 1 also a multiple of cp × tp dividing dp_shard × cp ×
+            tp). Every message is one line naming the setting, its value and the fix.
     """
 
     dp_replicate: int
@@ -104,7 +120,15 @@ class ParallelDims:
                 f"world_size is {self.world_size}. Make the product equal the number of processes, "
                 "or set dp_shard = -1 to use the rest."
             )
-        if self.ep > 1 and ((self.dp_shard * self.cp) % self.ep != 0 or self.ep % self.cp != 0):
+        if self.ep > 1 and self.tp > 1 and not self.ep_over_tp and not self._ep_in_dp_shard_cp():
+            span = self.dp_shard * self.cp * self.tp
+            raise ParallelismError(
+                f"parallelism.ep = {self.ep} fits neither layout: split over tp it must be a multiple of cp×tp = "
+                f"{self.cp * self.tp} dividing dp_shard×cp×tp = {span}; beside tp it must divide dp_shard×cp = "
+                f"{self.dp_shard * self.cp} and be a multiple of cp = {self.cp}. Set parallelism.ep to one of "
+                f"{sorted(set(self._valid_ep()))}."
+            )
+        if self.ep > 1 and self.tp == 1 and not self._ep_in_dp_shard_cp():
             valid = [self.cp * d for d in range(1, self.dp_shard + 1) if self.dp_shard % d == 0]
             raise ParallelismError(
                 f"parallelism.ep = {self.ep} must divide dp_shard×cp = {self.dp_shard * self.cp} and be a "
@@ -112,6 +136,22 @@ class ParallelDims:
                 f"times every cp rank. Set parallelism.ep to one of {valid} (or raise dp_shard"
                 + (f", e.g. with a smaller dp_replicate, now {self.dp_replicate})." if self.dp_replicate > 1 else ").")
             )
+
+    def _ep_in_dp_shard_cp(self) -> bool:
+        """ep fits inside dp_shard × cp (a multiple of cp dividing it): tp ranks replicate the experts."""
+        return (self.dp_shard * self.cp) % self.ep == 0 and self.ep % self.cp == 0
+
+    def _valid_ep(self) -> list[int]:
+        """Every ep > 1 of either layout for these degrees."""
+        beside = [self.cp * d for d in range(1, self.dp_shard + 1) if self.dp_shard % d == 0]
+        over = [self.cp * self.tp * d for d in range(1, self.dp_shard + 1) if self.dp_shard % d == 0]
+        return [e for e in beside + (over if self.tp > 1 else []) if e > 1]
+
+    @property
+    def ep_over_tp(self) -> bool:
+        """The routed experts are split over the tp ranks too: tp > 1, ep a multiple of cp × tp dividing
+        dp_shard × cp × tp (the module docstring)."""
+        return ep_spans_tp(self.dp_shard, self.cp, self.tp, self.ep)
 
     # ------------------------------------------------------------------ degrees by use
     @property
@@ -182,15 +222,19 @@ class ParallelDims:
         return world
 
     def _build_ep_meshes(self, world: DeviceMesh) -> None:
-        in_ep = self.ep // self.cp
+        over_tp = self.ep_over_tp
+        in_ep = self.ep // (self.cp * self.tp) if over_tp else self.ep // self.cp
         split = world._unflatten("dp_shard", (self.dp_shard // in_ep, in_ep), ("dp_shard_mod_ep", "dp_shard_in_ep"))
-        self._meshes["ep"] = split["dp_shard_in_ep", "cp"]._flatten("ep")
+        inner = ("dp_shard_in_ep", "cp", "tp") if over_tp else ("dp_shard_in_ep", "cp")
+        self._meshes["ep"] = split[inner]._flatten("ep")
+        if over_tp:
+            self._meshes["cp_tp"] = world["cp", "tp"]._flatten("cp_tp") if self.cp > 1 else world["tp"]
         self._meshes["dp_shard_mod_ep"] = split["dp_shard_mod_ep"]
         self._meshes["ep_hsdp"] = split["dp_replicate", "dp_shard_mod_ep"]
 
     def mesh(self, name: str) -> DeviceMesh:
         """The sub-mesh called ``name`` (a dim of MESH_DIM_NAMES, or dp, dp_shard_cp, dp_cp, hsdp; with
-        ep > 1 also ep, dp_shard_mod_ep, ep_hsdp).
+        ep > 1 also ep, dp_shard_mod_ep, ep_hsdp; with ep over tp also cp_tp).
 
         Raises:
             RuntimeError: the mesh was not built (single process) or has no such name.

@@ -47,11 +47,14 @@ class ExpertPlan:
             stage), each with an ``experts`` module whose forward is ``(x [N, dim] grouped by
             expert, counts [E]) -> [N, dim]`` and whose weights are stacked per expert on dim 0
             (``w1`` among them).
-        bind: ``(model, *, token_group, cp_group, sequences_per_step) -> None``, called first: what
-            the model cannot know on its own: the process group of the ranks whose tokens differ
-            (data × context parallel; None on one process) for the global routing counts, the cp
-            group (None without context parallel), and the sequences of an optimizer step (all
-            ranks, all microbatches) that make the balance loss a per-sequence mean.
+        bind: ``(model, *, token_group, cp_group, tp_group, sequences_per_step) -> None``, called
+            first (before tensor parallel, whose plan reads it): what the model cannot know on its
+            own: the process group of the ranks whose tokens differ (data × context parallel; None
+            on one process) for the global routing counts, the group one sequence's routed tokens are
+            spread over (cp, and tp too when the experts span tp; None if one rank), the tp group
+            when the routed experts are split over tp (each tp rank then routes its own sequence
+            shard; None otherwise), and the sequences of an optimizer step (all ranks, all
+            microbatches) that make the balance loss a per-sequence mean.
     """
 
     layers: Callable[[nn.Module], list[nn.Module]]
@@ -131,7 +134,7 @@ def parallelize(
     if compile_cfg.enable:
         apply_compile(model, backend=compile_cfg.backend, distributed=parallel_dims.world_size > 1)
     if parallel_dims.fsdp_enabled:
-        if experts is not None and parallel_dims.ep_enabled:  # always FSDP with ep > 1: ep divides dp_shard × cp
+        if experts is not None and parallel_dims.ep_enabled:  # ep > 1 beside tp always has FSDP
             shard_experts([layer.experts for layer in experts.layers(model)], parallel_dims,
                           param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                           reshard_after_forward=parallelism_cfg.fsdp_reshard_after_forward, backend=backend)
@@ -150,8 +153,12 @@ def parallelize(
 def _bind_experts(model: nn.Module, parallel_dims: ParallelDims, experts: ExpertPlan, sequences_per_step: int):
     """Tell the model its token group, cp group and sequences per step (:class:`ExpertPlan`)."""
     built = parallel_dims.mesh_built
+    over_tp = built and parallel_dims.ep_over_tp
+    sequence_mesh = "cp_tp" if over_tp else "cp"
+    spread = over_tp or parallel_dims.cp_enabled
     experts.bind(model, token_group=parallel_dims.mesh("dp_cp").get_group() if built else None,
-                 cp_group=parallel_dims.mesh("cp").get_group() if built and parallel_dims.cp_enabled else None,
+                 cp_group=parallel_dims.mesh(sequence_mesh).get_group() if built and spread else None,
+                 tp_group=parallel_dims.mesh("tp").get_group() if over_tp else None,
                  sequences_per_step=sequences_per_step)
 
 
@@ -177,8 +184,9 @@ def _expert_parallel(model: nn.Module, parallel_dims: ParallelDims, experts: Exp
     tokens moved by all-to-all), or, with tp but no ep, replicated on the tp ranks: those see the
     same tokens, so they compute the same routing, outputs and gradients, and nothing is reduced
     over tp (the experts compute on local weights; Replicate DTensors so that clipping and the
-    optimizer see one kind of tensor). Splitting the tokens over tp instead would not repeat the
-    routed-expert compute on every tp rank, and is a later step."""
+    optimizer see one kind of tensor). When ep spans tp (``ParallelDims.ep_over_tp``) the ep mesh
+    holds the tp ranks and each tp rank dispatches its own sequence shard (the family's TP plan keeps
+    the MoE input sequence-sharded: models/common/moe_parallelize.py)."""
     if parallel_dims.ep_enabled:
         ep_mesh = parallel_dims.mesh("ep")
         for layer in experts.layers(model):

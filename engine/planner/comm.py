@@ -50,6 +50,7 @@ from engine.planner.optimizer_state import muon_comm
 from engine.planner.float8 import FLOAT8_BYTES, SCALE_BYTES, float8_all_gather, is_float8_param
 from engine.planner.params import rank_params
 from engine.planner.params import padded_numel
+from parallelisms.parallel_dims import ep_spans_tp
 
 _RING = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
          "all_to_all": lambda n: (n - 1) / n, "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -75,7 +76,12 @@ def group_sizes(layout) -> dict[str, int]:
     """Size of each mesh dim's group (the names of parallelisms/parallel_dims.py)."""
     return {"pp": layout.pp, "dp_replicate": layout.dp_replicate, "dp_shard_cp": layout.fsdp,
             "dp_shard": layout.dp_shard, "dp_cp": layout.dp * layout.cp, "cp": layout.cp, "tp": layout.tp,
-            "ep": layout.ep, "dp_shard_mod_ep": layout.fsdp // layout.ep}
+            "ep": layout.ep, "dp_shard_mod_ep": layout.fsdp * (layout.tp if _ep_over_tp(layout) else 1) // layout.ep}
+
+
+def _ep_over_tp(layout) -> bool:
+    """The routed experts span tp (parallelisms/parallel_dims.py ``ep_spans_tp``)."""
+    return ep_spans_tp(layout.dp_shard, layout.cp, layout.tp, layout.ep)
 
 
 def _recomputed_blocks(layout, n_layers: int) -> float:
@@ -152,6 +158,8 @@ def comm_bytes(layout, coords: dict | None = None) -> dict[str, dict]:
         routing = layout.model_spec.get("expert_routing")(a)
         moe_layers = sum(1 for i in layer_ids if i in routing.moe_layers)
         rows = b * s * routing.top_k * h * pb
+        if _ep_over_tp(layout):  # each tp rank dispatches its own sequence shard (models/common/moe_parallelize.py)
+            rows //= layout.tp
         per_layer = 2 * rows * recompute + 2 * rows + 8 * routing.num_experts * recompute
         tally.add("ep", "all_to_all", n_mb * moe_layers * per_layer)
         tally.add("ep", "all_reduce", 8)  # gradient norm partial of the expert shards

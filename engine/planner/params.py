@@ -4,8 +4,8 @@ The family lists its parameters and their tensor/expert-parallel placement (``Mo
 e.g. models/common/shapes.py, as :class:`models.common.planning.ParamSpec`); this module shards them the
 way the parallelisms do. FSDP2 shards the TP-local tensor's dim 0 over ``dp_shard × cp``
 (parallelisms/data_parallel.py); routed experts (``ParamSpec.expert``) are ``Shard(0)`` over the
-``ep`` mesh and FSDP-sharded over the remaining ``dp_shard·cp/ep`` ranks on dim 0, or dim 1 when the
-local experts do not divide.
+``ep`` mesh and FSDP-sharded over the remaining ``dp_shard·cp/ep`` ranks (``dp_shard·cp·tp/ep`` when ep
+spans tp) on dim 0, or dim 1 when the local experts do not divide.
 
 Shards follow ``torch.chunk``: a dim of size n over k ranks gives chunks of ceil(n/k), the last ones
 shorter or empty (DTensor ``Shard`` and FSDP2 both split this way; FSDP2 pads each all-gather input to
@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 from models.common.planning import ParamSpec  # noqa: F401  (re-exported: the planner's parameter record)
+from parallelisms.parallel_dims import ep_spans_tp
 
 
 def chunk_size(n: int, k: int, index: int) -> int:
@@ -101,10 +102,14 @@ def local_params(specs: list[ParamSpec], layout, coords: dict | None = None) -> 
         shape = list(spec.shape)
         unit = "root" if spec.layer is None else f"layers.{spec.layer}"
         if spec.expert and ep > 1:
-            in_ep = ep // layout.cp
-            ep_rank = (coords.get("dp_shard", 0) % in_ep) * layout.cp + cp_rank
+            # Over tp too (parallelisms/parallel_dims.py ep_spans_tp): ep = dp_shard_in_ep × cp × tp.
+            over_tp = ep_spans_tp(layout.dp_shard, layout.cp, layout.tp, ep)
+            inner = layout.cp * layout.tp if over_tp else layout.cp
+            in_ep = ep // inner
+            ep_rank = (coords.get("dp_shard", 0) % in_ep) * inner + (cp_rank * layout.tp + tp_rank if over_tp
+                                                                      else cp_rank)
             shape[0] = chunk_size(shape[0], ep, ep_rank)
-            size = fsdp // ep
+            size = layout.dp_shard // in_ep
             mod_rank = coords.get("dp_shard", 0) // in_ep
             dim = 1 if (shape[0] % size != 0 and shape[1] % size == 0) else 0
             tp_local = tuple(shape)

@@ -282,6 +282,9 @@ class MoE(nn.Module):
         self.aux_loss_scale = 1.0
         # The context-parallel group: each sequence's tokens are spread over it (see _balance_loss).
         self.cp_group: dist.ProcessGroup | None = None
+        # The tp group when the routed experts are split over tp (the layer then runs on its sequence
+        # shard, models/common/moe_parallelize.py); cp_group is then the cp × tp group.
+        self.routed_tp_group: dist.ProcessGroup | None = None
         # persistent=None would be alike (falsy): statistics of one step, not checkpointed
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
         self.register_buffer("balance_loss_sum", torch.zeros(()), persistent=False)

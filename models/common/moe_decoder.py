@@ -58,6 +58,8 @@ class MoETransformer(Transformer):
     def __init__(self, model_args: MoEModelArgs):
         super().__init__(model_args)
         self.token_group: dist.ProcessGroup | None = None
+        # The tp group when the routed experts span tp: each tp rank then counts its own tokens.
+        self.routed_tp_group: dist.ProcessGroup | None = None
 
     def moe_layers(self) -> list[MoE]:
         """The MoE feed-forwards of the blocks this part holds, in layer order."""
@@ -75,7 +77,8 @@ class MoETransformer(Transformer):
         """Update the balancing biases from the step's global counts and report routing metrics.
 
         Must be called on every rank after every optimizer step (it all-reduces over
-        ``token_group``). Counts are routed slots (a token counts once per chosen expert).
+        ``token_group``, and ``routed_tp_group`` when set). Counts are routed slots (a token counts
+        once per chosen expert).
 
         Returns:
             {name: (0-dim float64 tensor, on any device, how to merge with other parts / stages)}:
@@ -97,6 +100,8 @@ class MoETransformer(Transformer):
         ]).double()  # [L, E + 2]; float64 keeps token counts exact
         if self.token_group is not None:
             dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=self.token_group)
+        if self.routed_tp_group is not None:
+            dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=self.routed_tp_group)
         counts = stats[:, :-2]
         for layer, layer_counts in zip(layers, counts):
             layer.update_bias(layer_counts)

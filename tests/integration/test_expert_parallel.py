@@ -209,3 +209,129 @@ def test_experts_are_sharded_in_the_fsdp_step(monkeypatch, tmp_path):
     experts = [i for i, name in enumerate(order) if name == "experts"]
     assert experts and order.index("cp") < order.index("ac") < experts[0]
     assert experts[-1] < order.index("fsdp"), order
+
+
+# ---------------------------------------------------------------------- routed experts over tp
+# ep spanning tp (parallelisms/parallel_dims.py ``ep_over_tp``): each tp rank routes and dispatches its
+# own sequence shard (models/common/moe_parallelize.py). In the float64 reference mode, where every
+# layout agrees with one process to ~1e-15, so a tp rank that dispatched another's tokens (its experts'
+# gradients doubled: 7e-5 off at step 1, 1e-3 by step 4 in fp64) cannot hide under fp32 rounding.
+# lr 6e-2: step 3 clipped, steps 1-2 not (grad norms 0.54, 0.55, 0.72 around MAX_NORM 0.65).
+FP64_MOE = {**MOE, "training.mixed_precision_param": "float64", "training.mixed_precision_reduce": "float64",
+            "optimizer.lr": "6e-2"}
+EP_OVER_TP = {
+    # ep = tp = 2: the whole ep group is the tp group; sequence parallel (the default).
+    "ep2_over_tp2": (2, {**FP64_MOE, "parallelism.tp": 2, "parallelism.dp_shard": 1, "parallelism.ep": 2}),
+    # Without sequence parallel each tp rank takes its slice of the replicated sequence.
+    "ep2_over_tp2_no_sequence_parallel": (
+        2, {**FP64_MOE, "parallelism.tp": 2, "parallelism.dp_shard": 1, "parallelism.ep": 2,
+            "parallelism.sequence_parallel": "false"},
+    ),
+    # Softmax routing with the sequence-wise balance loss in the objective: each tp rank adds its share.
+    "mixtral_ep2_over_tp2_aux_loss": (
+        2, {**FP64_MOE, **MIXTRAL, "parallelism.tp": 2, "parallelism.dp_shard": 1, "parallelism.ep": 2},
+    ),
+    # ep = 4 over cp 2 × tp 2: a sequence spread over 4 ranks (the balance loss's cp_tp group).
+    "ep4_over_cp2_x_tp2": (
+        4, {**FP64_MOE, "parallelism.tp": 2, "parallelism.cp": 2, "parallelism.dp_shard": 1, "parallelism.ep": 4},
+    ),
+    # ep = 4 over dp_shard 2 × tp 2: no FSDP of the experts left (dp_shard_mod_ep = 1).
+    "ep4_over_tp2_x_dp_shard2": (
+        4, {**FP64_MOE, "parallelism.tp": 2, "parallelism.dp_shard": 2, "parallelism.ep": 4,
+            "training.local_batch_size": 4},
+    ),
+}
+
+
+def _fp64_reference(folder: str) -> dict:
+    return {flavor: train_and_record(base_args(f"{folder}/fp64_{flavor}", {**FP64_MOE, "model.flavor": flavor}))
+            for flavor in (MOE_FLAVOR, MIXTRAL["model.flavor"])}
+
+
+def _ep_over_tp_layouts(folder: str, names: list[str]) -> dict:
+    return train_layouts(folder, {name: EP_OVER_TP[name][1] for name in names})
+
+
+@pytest.fixture(scope="module")
+def fp64_reference(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("moe_fp64_single"))
+    (histories,) = run_distributed(_fp64_reference, 1, folder, torchrun_env=False, timeout=600)
+    from tests.training_utils import clipping_sides
+
+    clipped, unclipped = clipping_sides(histories[MOE_FLAVOR])
+    assert clipped and unclipped, histories  # clipping engaged on some steps, not on others
+    return histories
+
+
+@pytest.fixture(scope="module")
+def ep_over_tp_runs(tmp_path_factory):
+    runs = {}
+    for world_size in sorted({ws for ws, _ in EP_OVER_TP.values()}):
+        names = [name for name, (ws, _) in EP_OVER_TP.items() if ws == world_size]
+        folder = str(tmp_path_factory.mktemp(f"moe_ep_over_tp_ws{world_size}"))
+        runs[world_size] = run_distributed(_ep_over_tp_layouts, world_size, folder, names, timeout=600)
+    return runs
+
+
+@pytest.mark.parametrize("layout", list(EP_OVER_TP))
+def test_routed_experts_over_tp_parity_with_one_process(layout, fp64_reference, ep_over_tp_runs):
+    world_size, overrides = EP_OVER_TP[layout]
+    for rank_results in ep_over_tp_runs[world_size]:
+        assert not isinstance(rank_results[layout], str), f"layout {layout}:\n{rank_results[layout]}"
+        assert_parity(rank_results[layout], fp64_reference[overrides.get("model.flavor", MOE_FLAVOR)])
+
+
+@pytest.mark.parametrize("degrees, fragment", [
+    # Spanning tp, ep must be a multiple of cp × tp: 3 is not a multiple of tp = 2, nor does it divide dp_shard.
+    ({"dp_shard": 2, "tp": 2, "ep": 3}, "parallelism.ep = 3 fits neither layout: split over tp it must be a "
+                                        "multiple of cp×tp = 2 dividing dp_shard×cp×tp = 4"),
+    # A multiple of tp that does not divide dp_shard × cp × tp.
+    ({"dp_shard": 2, "tp": 2, "ep": 8}, "Set parallelism.ep to one of [2, 4]"),
+])
+def test_ep_over_tp_refusals(degrees, fragment):
+    from parallelisms.parallel_dims import ParallelDims, ParallelismError
+
+    settings = {"dp_replicate": 1, "cp": 1, "pp": 1, **degrees}
+    world = settings["dp_replicate"] * settings["dp_shard"] * settings["cp"] * settings["tp"] * settings["pp"]
+    with pytest.raises(ParallelismError) as error:
+        ParallelDims(world_size=world, **settings)
+    message = str(error.value)
+    assert fragment in message and "\n" not in message, message
+
+
+def test_ep_over_tp_is_chosen_when_it_fits():
+    """ep spans tp when it is a multiple of cp × tp dividing dp_shard × cp × tp (TorchTitan 0.3's
+    layout); otherwise tp replicates the experts (ep inside dp_shard × cp)."""
+    from parallelisms.parallel_dims import ParallelDims
+
+    def dims(**degrees):
+        settings = {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 1, "ep": 1, **degrees}
+        world = settings["dp_replicate"] * settings["dp_shard"] * settings["cp"] * settings["tp"] * settings["pp"]
+        return ParallelDims(world_size=world, **settings)
+
+    assert dims(tp=2, ep=2).ep_over_tp and dims(dp_shard=2, tp=2, ep=4).ep_over_tp
+    assert dims(dp_shard=2, tp=2, ep=2).ep_over_tp  # preferred over replicating on tp
+    assert not dims(dp_shard=2, cp=2, tp=2, ep=2).ep_over_tp  # not a multiple of cp × tp: beside tp
+    assert not dims(dp_shard=2, ep=2).ep_over_tp
+
+
+@pytest.mark.parametrize("degrees", [
+    {"parallelism.tp": "2", "parallelism.ep": "2", "parallelism.dp_shard": "2"},  # experts FSDP over dp_shard 2
+    {"parallelism.tp": "2", "parallelism.ep": "4", "parallelism.dp_shard": "2"},
+])
+def test_planner_formulas_equal_the_real_plan_on_every_rank_when_ep_spans_tp(degrees, tmp_path):
+    """The planner's bytes per rank (engine/planner/params.py: the routed experts Shard(0) over the ep
+    ranks including tp, FSDP over dp_shard_mod_ep) equal the real plan's, built on the meta device
+    under a fake process group, on each of the 4 ranks (tp rank 1 holds other experts than tp rank 0)."""
+    from engine.config import load_config
+    from engine.planner.layout import Layout
+    from engine.planner.memory import state_bytes
+    from engine.planner.real_plan import build_real_plan
+
+    cfg = load_config(base_args(str(tmp_path), {**MOE, **degrees, "training.local_batch_size": "4"}))
+    cfg.validate()
+    layout = Layout.from_config(cfg, 4, "cpu")
+    for rank in range(4):
+        real = build_real_plan(cfg, 4, rank, device_type="cpu")
+        assert real.parallel_dims.ep_over_tp
+        assert state_bytes(layout, real.coords) == real.state, (rank, real.coords)

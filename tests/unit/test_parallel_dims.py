@@ -38,7 +38,8 @@ def test_modes_by_degrees():
         ({"world_size": 2, "dp_shard": 0}, "parallelism.dp_shard = 0"),
         ({"world_size": 2, "dp_replicate": 0}, "parallelism.dp_replicate = 0"),
         ({"world_size": 4, "ep": 3}, "parallelism.ep = 3 must divide dp_shard×cp = 4"),
-        ({"world_size": 4, "tp": 2, "ep": 4}, r"Set parallelism.ep to one of \[1, 2\]"),
+        # ep may span tp (a multiple of cp×tp dividing dp_shard×cp×tp): 4 over tp 2 × dp_shard 2 is valid now.
+        ({"world_size": 4, "tp": 2, "ep": 8}, r"ep = 8 fits neither layout.*one of \[2, 4\]"),
         ({"world_size": 2, "dp_replicate": 2, "ep": 2}, r"or raise dp_shard, e.g. with a smaller dp_replicate, now 2\)"),
     ],
 )
