@@ -50,7 +50,8 @@ LAYOUTS = with_compiled_twins({
         4, {**MOE, "parallelism.dp_replicate": 2, "parallelism.dp_shard": 2, "parallelism.ep": 2,
             "training.local_batch_size": 2},
     ),
-    # Expert parallel over dp_shard with tensor and sequence parallel inside each ep rank.
+    # ep 2 spans the tp ranks (ep = tp = 2, parallelisms/parallel_dims.py ep_spans_tp): the experts are split
+    # over tp, each tp rank dispatching its sequence shard; FSDP over dp_shard 2.
     "ep2_x_tp2": (
         4, {**MOE, "parallelism.dp_shard": 2, "parallelism.tp": 2, "parallelism.ep": 2,
             "training.local_batch_size": 4},
