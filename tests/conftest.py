@@ -202,6 +202,40 @@ def pytest_collection_modifyitems(config, items):
                                  not item.nodeid.startswith("tests/integration/")))
 
 
+def _warm_compile() -> None:
+    """One aot_eager compile of the suite's model in this process, forgotten at once
+    (``torch._dynamo.reset()``), so that every rank forked after it starts with what a first compile
+    loads lazily: ~570 modules (torch._inductor's lowering and codegen, torch._export, networkx,
+    jinja2, ...) and Dynamo's tables, ~2 s of CPU in every rank of a compiled layout, 16 at once in
+    tests/integration/test_context_parallel.py's 4-D mesh. The global RNG is left as it was."""
+    import torch
+
+    from models import get_model_args, get_model_spec
+    from models.registry import load_ref
+    from parallelisms.compile import compiled_modules
+    from tests.training_utils import FLAVOR
+
+    with torch.random.fork_rng(devices=[]):
+        args = get_model_args("llama", FLAVOR)
+        model = load_ref(get_model_spec("llama").model_cls)(args)
+        model.init_weights(seed=0)
+        for module in compiled_modules(model):
+            module.compile(backend="aot_eager", fullgraph=True)
+        tokens = torch.randint(0, args.vocab_size, (1, 16))
+        model(tokens).float().logsumexp(-1).sum().backward()
+        with torch.no_grad():  # the recompile every validation takes
+            model(tokens)
+    torch._dynamo.reset()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compile_warmed(request):
+    """:func:`_warm_compile` once per test process where tests/integration/ runs (its parity layouts
+    compile in forked ranks); a run of tests/unit/ alone does not pay for it (~2 s)."""
+    if any(item.nodeid.startswith("tests/integration/") for item in request.session.items):
+        _warm_compile()
+
+
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
     """[(loss, grad_norm)] of the 5-step single-process run (no process group, one microbatch of 8)."""
