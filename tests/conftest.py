@@ -193,12 +193,19 @@ def _alone_when_timed(request):
 
 def pytest_collection_modifyitems(config, items):
     """Run tests/integration/ first (multi-process training, runs through ./run_train.sh), then
-    tests/unit/, tests/integration/test_gpu.py last. GPU last: the other tests fork CPU workers, which
-    must not start from a process that has initialized CUDA (a forked child cannot use it, and may fail
-    touching it). Integration first: the two workers of scripts/test.sh take whole files in this order,
-    so the long ones start early and the short ones fill the end instead of one worker finishing a
-    long file while the other idles."""
+    tests/unit/, then the files that hold a test marked ``timing``, tests/integration/test_gpu.py last.
+    GPU last: the other tests fork CPU workers, which must not start from a process that has
+    initialized CUDA (a forked child cannot use it, and may fail touching it). Integration first: the
+    two workers of scripts/test.sh take whole files in this order, so the long ones start early and the
+    short ones fill the end instead of one worker finishing a long file while the other idles. Timed
+    files after those: a timed test waits for the other worker's test in progress (:func:`_alone_when_timed`),
+    which among the integration files was often one of a minute or more (test_attribution.py's 5 s test
+    waited 101 s in a full run), and keeps the other worker waiting while it runs; at the end the other
+    worker has a unit test in progress or nothing left (those files: test_attribution.py,
+    test_pipeline_timed.py, test_recovery_timed.py)."""
+    timed = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("timing") is not None}
     items.sort(key=lambda item: (item.nodeid.startswith("tests/integration/test_gpu.py"),
+                                 item.nodeid.split("::")[0] in timed,
                                  not item.nodeid.startswith("tests/integration/")))
 
 
