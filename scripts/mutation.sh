@@ -21,6 +21,24 @@ out=${MUTATION_OUT:-/tmp/quadra-mutation}
 mkdir -p "$out"
 "$QUADRA_PYTHON" -c "import mutmut" 2>/dev/null || "$QUADRA_PYTHON" -m pip install -q "mutmut>=3.3"
 mutmut=$(dirname "$QUADRA_PYTHON")/mutmut
+# the one-process tests of two integration files, named once for the rows that share them
+FUSED_LOSS_FAST="tests/integration/test_fused_loss.py::test_bf16_matches_unfused_to_bf16_rounding
+  tests/integration/test_fused_loss.py::test_evaluation_computes_no_gradients
+  tests/integration/test_fused_loss.py::test_fused_equals_unfused_loss_and_gradients
+  tests/integration/test_fused_loss.py::test_refuses_a_chunk_size_below_one
+  tests/integration/test_fused_loss.py::test_split_backward_inputs_then_weights
+  tests/integration/test_fused_loss.py::test_tied_embeddings_get_both_gradients
+  tests/integration/test_fused_loss.py::test_vocab_parallel_equals_one_process
+  tests/integration/test_fused_loss.py::test_z_loss_fused_equals_unfused_in_value_and_gradients"
+MUON_FAST="tests/integration/test_muon.py::test_a_bad_or_unmatched_rule_is_refused_in_one_line
+  tests/integration/test_muon.py::test_bad_muon_and_z_loss_settings_are_refused_in_one_line
+  tests/integration/test_muon.py::test_lr_multiplier_is_seen_in_the_applied_update
+  tests/integration/test_muon.py::test_muon_step_is_torch_muon_plus_adamw_bitwise
+  tests/integration/test_muon.py::test_param_group_rules_take_counts_and_log_them_once
+  tests/integration/test_muon.py::test_planner_counts_muon_gathers_and_broadcasts_per_mesh_dim
+  tests/integration/test_muon.py::test_planner_optimizer_bytes_are_the_real_state
+  tests/integration/test_muon.py::test_the_docs_parameter_group_example_passes_the_preflight_as_written
+  tests/integration/test_muon.py::test_unmatched_rule_is_refused_by_the_preflight_and_the_config"
 # module -> the fast tests that cover it (pytest arguments): tests/unit files, and the one-process tests of a
 # tests/integration file by node id (its multi-process ones would run for every mutant)
 declare -A TESTS=(
@@ -35,48 +53,14 @@ declare -A TESTS=(
     tests/integration/test_parity.py::test_history_differences_name_the_first_step_over_tolerance
     tests/integration/test_parity.py::test_layout_names_give_the_degrees
     tests/integration/test_parity.py::test_parameter_differences_and_clipping"
-  [engine/train/loss.py]="tests/unit/test_deepseek_v3_mtp.py tests/unit/test_loss_rules.py
-    tests/integration/test_fused_loss.py::test_bf16_matches_unfused_to_bf16_rounding
-    tests/integration/test_fused_loss.py::test_evaluation_computes_no_gradients
-    tests/integration/test_fused_loss.py::test_fused_equals_unfused_loss_and_gradients
-    tests/integration/test_fused_loss.py::test_refuses_a_chunk_size_below_one
-    tests/integration/test_fused_loss.py::test_split_backward_inputs_then_weights
-    tests/integration/test_fused_loss.py::test_tied_embeddings_get_both_gradients
-    tests/integration/test_fused_loss.py::test_vocab_parallel_equals_one_process
-    tests/integration/test_fused_loss.py::test_z_loss_fused_equals_unfused_in_value_and_gradients"
-  [models/common/linear_cross_entropy.py]="tests/unit/test_fused_loss_rules.py
-    tests/integration/test_fused_loss.py::test_bf16_matches_unfused_to_bf16_rounding
-    tests/integration/test_fused_loss.py::test_evaluation_computes_no_gradients
-    tests/integration/test_fused_loss.py::test_fused_equals_unfused_loss_and_gradients
-    tests/integration/test_fused_loss.py::test_refuses_a_chunk_size_below_one
-    tests/integration/test_fused_loss.py::test_split_backward_inputs_then_weights
-    tests/integration/test_fused_loss.py::test_tied_embeddings_get_both_gradients
-    tests/integration/test_fused_loss.py::test_vocab_parallel_equals_one_process
-    tests/integration/test_fused_loss.py::test_z_loss_fused_equals_unfused_in_value_and_gradients"
+  [engine/train/loss.py]="tests/unit/test_deepseek_v3_mtp.py tests/unit/test_loss_rules.py $FUSED_LOSS_FAST"
+  [models/common/linear_cross_entropy.py]="tests/unit/test_fused_loss_rules.py $FUSED_LOSS_FAST"
   [models/common/rope.py]="tests/unit/test_rope_rules.py tests/unit/test_model.py
     tests/integration/test_long_context.py::test_past_max_seq_len_is_planned_with_one_warning_and_recorded"
   [models/deepseek_v3/yarn.py]="tests/unit/test_rope_rules.py tests/unit/test_deepseek_v3.py"
   [models/common/moe.py]="tests/unit/test_moe_routing_rules.py tests/unit/test_moe.py"
-  [engine/config/param_groups.py]="tests/unit/test_optimizer.py tests/unit/test_param_groups_rules.py
-    tests/integration/test_muon.py::test_a_bad_or_unmatched_rule_is_refused_in_one_line
-    tests/integration/test_muon.py::test_bad_muon_and_z_loss_settings_are_refused_in_one_line
-    tests/integration/test_muon.py::test_lr_multiplier_is_seen_in_the_applied_update
-    tests/integration/test_muon.py::test_muon_step_is_torch_muon_plus_adamw_bitwise
-    tests/integration/test_muon.py::test_param_group_rules_take_counts_and_log_them_once
-    tests/integration/test_muon.py::test_planner_counts_muon_gathers_and_broadcasts_per_mesh_dim
-    tests/integration/test_muon.py::test_planner_optimizer_bytes_are_the_real_state
-    tests/integration/test_muon.py::test_the_docs_parameter_group_example_passes_the_preflight_as_written
-    tests/integration/test_muon.py::test_unmatched_rule_is_refused_by_the_preflight_and_the_config"
-  [engine/train/muon.py]="tests/unit/test_muon_rules.py
-    tests/integration/test_muon.py::test_a_bad_or_unmatched_rule_is_refused_in_one_line
-    tests/integration/test_muon.py::test_bad_muon_and_z_loss_settings_are_refused_in_one_line
-    tests/integration/test_muon.py::test_lr_multiplier_is_seen_in_the_applied_update
-    tests/integration/test_muon.py::test_muon_step_is_torch_muon_plus_adamw_bitwise
-    tests/integration/test_muon.py::test_param_group_rules_take_counts_and_log_them_once
-    tests/integration/test_muon.py::test_planner_counts_muon_gathers_and_broadcasts_per_mesh_dim
-    tests/integration/test_muon.py::test_planner_optimizer_bytes_are_the_real_state
-    tests/integration/test_muon.py::test_the_docs_parameter_group_example_passes_the_preflight_as_written
-    tests/integration/test_muon.py::test_unmatched_rule_is_refused_by_the_preflight_and_the_config"
+  [engine/config/param_groups.py]="tests/unit/test_optimizer.py tests/unit/test_param_groups_rules.py $MUON_FAST"
+  [engine/train/muon.py]="tests/unit/test_muon_rules.py $MUON_FAST"
   [engine/observe/goodput.py]="tests/unit/test_goodput_rules.py tests/unit/test_recovery_units.py
     tests/unit/test_published_hparams.py::test_goodput_ledger_over_three_attempts_equals_a_hand_count"
   [engine/observe/hang.py]="tests/unit/test_hang_rules.py tests/unit/test_recovery_units.py"
