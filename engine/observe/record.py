@@ -30,10 +30,11 @@ across layouts and activation-checkpoint modes.
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 import torch.nn as nn
+
+from parallelisms.pipeline import in_shape_inference
 
 WRAPPERS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
 
@@ -46,10 +47,8 @@ def clean_name(name: str) -> str:
 
 def _not_training_forward() -> bool:
     """True for a forward that trains nothing: activation-checkpoint recomputation (autograd's engine
-    is running) or a pipeline stage's shape inference (parallelisms/pipeline.py, which a run without
-    pipeline parallel never imports: torch.distributed.pipelining costs every rank 0.5 s of start-up)."""
-    pipeline = sys.modules.get("parallelisms.pipeline")
-    return torch._C._current_graph_task_id() != -1 or (pipeline is not None and pipeline.in_shape_inference())
+    is running) or a pipeline stage's shape inference (parallelisms/pipeline.py)."""
+    return torch._C._current_graph_task_id() != -1 or in_shape_inference()
 
 
 def _first_tensor(value):

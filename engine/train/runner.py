@@ -28,7 +28,7 @@ from engine.train.loss import IGNORE_INDEX, last_stage_loss, model_loss, row_sum
 from engine.train.step_context import StepContext
 from parallelisms.data_parallel import sync_on_last_microbatch
 from parallelisms.float8 import precompute_float8_scales
-from parallelisms.pipeline_plan import PipelinePlan
+from parallelisms.pipeline import PipelinePlan, build_pipeline_schedule, evaluation_order
 from parallelisms.pipeline_tied import sum_tied_gradients, tied_copies
 from parallelisms.pipeline_timing import StageBusyTimer
 from parallelisms.tensor_parallel import to_local
@@ -196,9 +196,6 @@ class PipelineRunner(_Runner):
         super().__init__(model_parts, context)
         self.stage_takes_labels, loss_fn = last_stage_loss(context)  # engine/train/loss.py
         self.stage_loss = _StageLoss(loss_fn)
-        # torch.distributed.pipelining is imported by pipeline runs only: 0.5 s of every rank's start-up
-        from parallelisms.pipeline import build_pipeline_schedule
-
         self.schedule, stages = build_pipeline_schedule(plan, model_parts, pp_mesh, context.device, self.stage_loss)
         self.plan, self.pp_size = plan, pp_mesh.size()
         self.has_first = 0 in plan.local_stages
@@ -252,8 +249,6 @@ class PipelineRunner(_Runner):
                  window: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward only (``schedule.eval``): (token-sum loss, label tokens) on the last stage, zeros
         elsewhere (:meth:`sum_over_stages` shares them); ``window`` is not needed."""
-        from parallelisms.pipeline import evaluation_order
-
         losses: list[torch.Tensor] = []
         inputs, kwargs = self.context.model_inputs(inputs)
         args = (inputs,) if self.has_first else ()
@@ -276,8 +271,6 @@ class PipelineRunner(_Runner):
         (``schedule.eval``): the rows' sums on the last stage, zeros elsewhere (:meth:`sum_over_stages`
         shares them). The stages return logits (no labels keyword), the loss function gives each
         microbatch's rows."""
-        from parallelisms.pipeline import evaluation_order
-
         rows: list[torch.Tensor] = []
         inputs, kwargs = self.context.model_inputs(inputs)
         args = (inputs,) if self.has_first else ()
